@@ -1,0 +1,222 @@
+"""Shape signatures: the key that decides which trials may be fused into one array.
+
+Two trials can be horizontally fused (HFTA) only if every operator of their models has the
+same type, the same parameter/buffer shapes and dtypes, the same structural configuration
+(stride, padding, ...), and the whole array shares the same array-wide settings (batch size,
+optimizer type, epochs, ...).  A :class:`Signature` captures exactly that, and its
+``digest`` is the string the packer and the scheduler group by.
+
+Per-trial numeric hyper-parameters that do not change any shape (learning rate, weight
+decay, ...) are deliberately *not* part of the signature: HFTA's fused optimizers keep one
+value per member, so such trials still fuse.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Signature", "shape_signature", "fusible_params", "canonical_json"]
+
+# Module attributes that change which kernel runs (not just its numbers), so two modules
+# that differ in one of them cannot share a fused operator even when their weight shapes
+# match (e.g. Conv2d stride 1 vs 2, or MaxPool kernel 2 vs 3, which has no weights at all).
+_STRUCTURAL_ATTRS: tuple[str, ...] = (
+    "kernel_size",
+    "stride",
+    "padding",
+    "dilation",
+    "groups",
+    "output_padding",
+    "padding_mode",
+    "ceil_mode",
+    "count_include_pad",
+    "return_indices",
+    "output_size",
+    "scale_factor",
+    "mode",
+    "align_corners",
+    "num_heads",
+    "batch_first",
+    "bidirectional",
+    "num_layers",
+    "proj_size",
+    "norm_first",
+    "affine",
+    "track_running_stats",
+    "elementwise_affine",
+    "padding_idx",
+    "max_norm",
+    "sparse",
+    "start_dim",
+    "end_dim",
+    "dim",
+)
+
+_DIGEST_HEX_CHARS = 16  # 64 bits: collisions are negligible for the signatures one service sees
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Canonical description of a fusible model + its array-wide settings.
+
+    Attributes:
+        digest: short, stable hex SHA-256 of the canonical form; equal iff the rest is equal.
+        layers: one entry per submodule in module order:
+            ``(path, type_name, ((tensor_name, shape), ...))`` with parameters then buffers.
+        settings: sorted ``(key, canonical_json_value)`` items of the array-wide settings.
+        dtypes: ``(qualified_tensor_name, dtype)`` for every parameter and buffer.
+        attrs: ``(path, ((attr, canonical_json_value), ...))`` structural attributes of
+            modules that have any (conv stride, pooling kernel, ...).
+    """
+
+    digest: str
+    layers: tuple[tuple[str, str, tuple[tuple[str, tuple[int, ...]], ...]], ...]
+    settings: tuple[tuple[str, str], ...]
+    dtypes: tuple[tuple[str, str], ...] = ()
+    attrs: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+    def __str__(self) -> str:
+        return self.digest
+
+
+def _canonical(value: Any) -> Any:
+    """Map a settings value onto plain JSON types so that equal meanings serialise equally."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            # JSON has no NaN/inf; a tagged string keeps them distinct and stable.
+            return {"__float__": repr(value)}
+        if value.is_integer():
+            # 32 and 32.0 mean the same batch size/epoch count; do not split arrays over it.
+            return int(value)
+        return value
+    if isinstance(value, enum.Enum):
+        return {"__enum__": f"{type(value).__qualname__}.{value.name}"}
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (set, frozenset)):
+        items = [_canonical(v) for v in value]
+        return sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.Size):
+        return list(value)
+    if isinstance(value, type) or callable(value):
+        # Optimizer / loss classes and factory functions: identify them by qualified name.
+        module = getattr(value, "__module__", "") or ""
+        name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value)
+        return {"__callable__": f"{module}.{name}"}
+    return {"__repr__": repr(value)}
+
+
+def canonical_json(value: Any) -> str:
+    """Canonical, compact JSON of ``value`` (sorted keys), used for hashing and equality."""
+    return json.dumps(_canonical(value), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _shape(tensor: torch.Tensor, qualified: str) -> tuple[int, ...]:
+    if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+        raise ValueError(
+            f"tensor {qualified!r} is uninitialized (lazy module); materialise the model "
+            "(e.g. run one forward pass on meta tensors) before taking its signature"
+        )
+    return tuple(int(d) for d in tensor.shape)
+
+
+def shape_signature(model: nn.Module, settings: Mapping[str, Any]) -> Signature:
+    """Compute the fusion signature of ``model`` trained under array-wide ``settings``.
+
+    ``model`` may live on any device, including ``meta`` (no memory is touched: only
+    shapes, dtypes and module types are read).  ``settings`` holds every setting that must
+    be identical across the members of one fused array (batch size, optimizer type,
+    epochs, ...); values are canonicalised so that e.g. ``{"a": 1, "b": 2}`` and
+    ``{"b": 2, "a": 1.0}`` give the same digest.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"settings must be a Mapping, got {type(settings).__name__}")
+
+    layers: list[tuple[str, str, tuple[tuple[str, tuple[int, ...]], ...]]] = []
+    dtypes: list[tuple[str, str]] = []
+    attrs: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        cls = type(module)
+        type_name = f"{cls.__module__}.{cls.__qualname__}"
+        tensors: list[tuple[str, tuple[int, ...]]] = []
+        for name, tensor in list(module.named_parameters(recurse=False)) + [
+            (n, b) for n, b in module.named_buffers(recurse=False) if b is not None
+        ]:
+            qualified = f"{path}.{name}" if path else name
+            tensors.append((name, _shape(tensor, qualified)))
+            dtypes.append((qualified, str(tensor.dtype)))
+        layers.append((path, type_name, tuple(tensors)))
+        structural = tuple(
+            (attr, canonical_json(getattr(module, attr)))
+            for attr in _STRUCTURAL_ATTRS
+            if hasattr(module, attr) and not isinstance(getattr(module, attr), (nn.Module, torch.Tensor))
+        )
+        if structural:
+            attrs.append((path, structural))
+
+    for key in settings:
+        if not isinstance(key, str):
+            raise TypeError(f"settings keys must be str, got {key!r}")
+    settings_items = tuple(sorted((k, canonical_json(v)) for k, v in settings.items()))
+
+    canonical = json.dumps(
+        {
+            "layers": [[p, t, [[n, list(s)] for n, s in ts]] for p, t, ts in layers],
+            "dtypes": [list(d) for d in dtypes],
+            "attrs": [[p, [list(a) for a in at]] for p, at in attrs],
+            "settings": [list(s) for s in settings_items],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    digest = hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:_DIGEST_HEX_CHARS]
+    return Signature(
+        digest=digest,
+        layers=tuple(layers),
+        settings=settings_items,
+        dtypes=tuple(dtypes),
+        attrs=tuple(attrs),
+    )
+
+
+def fusible_params(
+    signature_fn: Callable[[Mapping[str, Any]], Signature],
+    params: Mapping[str, Any],
+    candidates: Mapping[str, Sequence[Any]],
+) -> dict[str, bool]:
+    """Derive which hyper-parameters are fusible from the signature itself.
+
+    A parameter is fusible iff varying it over its candidate values, with every other
+    parameter held at ``params``, never changes the signature digest: trials that differ
+    only in fusible parameters can always share an array.  Nothing is declared by hand, so
+    the answer cannot drift from what the packer actually does.
+    """
+    base = signature_fn(params).digest
+    result: dict[str, bool] = {}
+    for name, values in candidates.items():
+        fusible = True
+        for value in values:
+            trial = dict(params)
+            trial[name] = value
+            if signature_fn(trial).digest != base:
+                fusible = False
+                break
+        result[name] = fusible
+    return result
