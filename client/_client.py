@@ -1,0 +1,83 @@
+"""A small typed client for fusetune's REST API."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+FINISHED = {"COMPLETE", "PRUNED", "FAIL"}
+
+
+class FusetuneError(RuntimeError):
+    """The service answered with an error; ``status_code`` and ``detail`` say which."""
+
+    def __init__(self, status_code: int, detail: Any) -> None:
+        super().__init__(f"HTTP {status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+
+
+class Client:
+    """Talks to one fusetune service, e.g. ``Client("http://127.0.0.1:8000")``."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._http.request(method, path, **kwargs)
+        if response.is_error:
+            try:
+                detail = response.json().get("detail")
+            except ValueError:
+                detail = response.text
+            raise FusetuneError(response.status_code, detail)
+        return response.json()
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/healthz")
+
+    def create_study(self, workload: str, n_trials: int, **fields: Any) -> dict[str, Any]:
+        """Submit a study; ``fields`` are the optional request fields (epochs, sampler, ...)."""
+        return self._call("POST", "/api/v1/studies", json={"workload": workload, "n_trials": n_trials, **fields})
+
+    def submit(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Submit a study given as the raw request body (e.g. loaded from ``sweep.json``)."""
+        return self._call("POST", "/api/v1/studies", json=request)
+
+    def studies(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/api/v1/studies")
+
+    def study(self, study_id: int) -> dict[str, Any]:
+        return self._call("GET", f"/api/v1/studies/{study_id}")
+
+    def trials(self, study_id: int) -> list[dict[str, Any]]:
+        return self._call("GET", f"/api/v1/studies/{study_id}/trials")
+
+    def arrays(self, study_id: int | None = None) -> list[dict[str, Any]]:
+        params = {"study_id": study_id} if study_id is not None else {}
+        return self._call("GET", "/api/v1/arrays", params=params)
+
+    def wait(self, study_id: int, timeout: float = 600.0, poll: float = 1.0, on_poll: Any = None) -> dict[str, Any]:
+        """Block until the study is COMPLETE; ``on_poll(study)`` is called on each poll."""
+        deadline = time.monotonic() + timeout
+        while True:
+            study = self.study(study_id)
+            if on_poll is not None:
+                on_poll(study)
+            if study["state"] == "COMPLETE":
+                return study
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"study {study_id} not complete after {timeout:.0f} s: {study['trial_counts']}")
+            time.sleep(poll)

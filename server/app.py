@@ -1,0 +1,71 @@
+"""The FastAPI application: REST API, migrations at start-up, and the scheduling loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from server import service
+from server.api import health_router, router
+from server.coordinator import Coordinator
+from server.db import get_optuna_storage, get_sessionmaker, upgrade
+from server.settings import Settings, get_settings
+from workers.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None, *, schedule: bool = True) -> FastAPI:
+    """Build the service.
+
+    Args:
+        settings: configuration; read from ``FUSETUNE_*`` variables when omitted.
+        schedule: start Ray workers and the scheduling loop (off: API only, e.g. read-only
+            replicas or tests of the API alone).
+    """
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        upgrade(settings.database_url)
+        get_optuna_storage(settings.database_url)  # creates Optuna's tables beside ours
+        app.state.pool = app.state.coordinator = None
+        if schedule:
+            if not ray.is_initialized():
+                ray.init(address=settings.ray_address, include_dashboard=False, log_to_driver=False)
+            app.state.pool = WorkerPool(cpu_workers=settings.cpu_workers)
+            app.state.coordinator = Coordinator(settings, app.state.pool)
+            app.state.coordinator.start()
+        try:
+            yield
+        finally:
+            if app.state.coordinator is not None:
+                app.state.coordinator.stop()
+                app.state.pool.shutdown()
+
+    app = FastAPI(
+        title="fusetune",
+        summary="Hyper-parameter tuning that trains many trials at once as fused models.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.sessions = get_sessionmaker(settings.database_url)
+    app.include_router(router)
+    app.include_router(health_router)
+
+    @app.exception_handler(service.NotFound)
+    async def not_found(_: Request, exc: service.NotFound) -> JSONResponse:
+        return JSONResponse(status_code=404, content={"detail": str(exc)})
+
+    @app.exception_handler(service.Conflict)
+    async def conflict(_: Request, exc: service.Conflict) -> JSONResponse:
+        detail = [{"loc": ["body", exc.field], "msg": str(exc), "type": "conflict"}]
+        return JSONResponse(status_code=409, content={"detail": detail})
+
+    return app

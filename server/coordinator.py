@@ -1,0 +1,250 @@
+"""The scheduling loop: ask Optuna for trials, fuse them into arrays, dispatch, record the ends.
+
+It runs in a background thread of the server. Decisions about which trials share an array
+are the scheduler's (pure functions over plain data); this module only moves state between
+the database, Optuna and the worker pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import optuna
+import torch
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from scheduler import PendingTrial, pack, shape_signature
+from server.db import (
+    Array,
+    ArrayMember,
+    ArrayState,
+    Study,
+    StudyState,
+    Trial,
+    TrialState,
+    Worker,
+    get_optuna_storage,
+    get_sessionmaker,
+    utcnow,
+)
+from server.optuna_specs import make_sampler
+from server.schemas import StudyCreate
+from server.settings import Settings
+from workers.pool import WorkerHandle, WorkerPool
+from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
+from workers.workloads import Workload, get_workload
+
+log = logging.getLogger(__name__)
+
+
+def array_settings(workload: Workload, study: Study, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings every member of an array must share, beyond its operator shapes."""
+    return {
+        "workload": workload.name,
+        "optimizer": workload.optimizer,
+        "batch_size": workload.batch_size_for(params),
+        "epochs": study.epochs,
+    }
+
+
+def trial_signature(workload: Workload, study: Study, params: Mapping[str, Any]) -> str:
+    """The shape signature of a trial's model, built on the meta device (no memory, no init cost)."""
+    with torch.device("meta"):
+        model = workload.build_model(params)
+    return shape_signature(model, array_settings(workload, study, params)).digest
+
+
+class Coordinator:
+    """Drives every running study to completion on a :class:`~workers.pool.WorkerPool`."""
+
+    def __init__(self, settings: Settings, pool: WorkerPool) -> None:
+        self.settings = settings
+        self.url = settings.database_url
+        self.pool = pool
+        self.sessions = get_sessionmaker(self.url)
+        self.storage = get_optuna_storage(self.url)
+        self._optuna_studies: dict[int, optuna.Study] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._worker_ids: dict[str, int] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._register_workers()
+        self._recover()
+        self._thread = threading.Thread(target=self._loop, name="fusetune-coordinator", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # keep scheduling; the error is in the log and the next step retries
+                log.exception("scheduling step failed")
+            self._stop.wait(self.settings.poll_interval_s)
+
+    def step(self) -> None:
+        """One round: record finished arrays, ask for new trials, start arrays on idle workers."""
+        for worker, spec, result in self.pool.poll():
+            self._record(worker, spec, result)
+        with self.sessions() as session:
+            studies = session.scalars(
+                select(Study).where(Study.state == StudyState.RUNNING).order_by(Study.id)
+            ).all()
+            for study in studies:
+                self._ask(session, study)
+            for study in studies:
+                self._dispatch(session, study)
+            for study in studies:
+                self._maybe_complete(session, study)
+
+    # -- workers -------------------------------------------------------------------------------
+    def _register_workers(self) -> None:
+        with self.sessions.begin() as session:
+            for w in self.pool.workers:
+                row = session.scalar(select(Worker).where(Worker.name == w.name))
+                if row is None:
+                    row = Worker(name=w.name, device_type=w.device_type, node=w.node)
+                    session.add(row)
+                row.device_type, row.node, row.state, row.last_seen = w.device_type, w.node, "IDLE", utcnow()
+                session.flush()
+                self._worker_ids[w.name] = row.id
+
+    def _recover(self) -> None:
+        """Arrays left RUNNING by a previous server process are gone: re-queue their live trials."""
+        with self.sessions.begin() as session:
+            orphans = session.scalars(select(Array.id).where(Array.state == ArrayState.RUNNING)).all()
+            if not orphans:
+                return
+            session.execute(
+                update(Array)
+                .where(Array.id.in_(orphans))
+                .values(state=ArrayState.FAIL, error="the service restarted while this array trained", completed_at=utcnow())
+            )
+            session.execute(
+                update(Trial)
+                .where(Trial.array_id.in_(orphans), Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
+                .values(state=TrialState.WAITING, array_id=None, started_at=None)
+            )
+
+    # -- asking --------------------------------------------------------------------------------
+    def _optuna_study(self, study: Study) -> optuna.Study:
+        # One sampler instance per study and process: a seeded sampler rebuilt for every ask
+        # would repeat its first suggestion.
+        if study.id not in self._optuna_studies:
+            self._optuna_studies[study.id] = optuna.load_study(
+                study_name=study.name,
+                storage=self.storage,
+                sampler=make_sampler(study.sampler["name"], study.sampler.get("kwargs")),
+            )
+        return self._optuna_studies[study.id]
+
+    def _ask(self, session: Session, study: Study) -> None:
+        asked = session.scalar(select(func.count()).where(Trial.study_id == study.id))
+        waiting = session.scalar(
+            select(func.count()).where(Trial.study_id == study.id, Trial.state == TrialState.WAITING)
+        )
+        wanted = min(study.n_trials - asked, self.settings.ask_batch - waiting)
+        if wanted <= 0:
+            return
+        workload = get_workload(study.workload)
+        optuna_study = self._optuna_study(study)
+        distributions = (
+            StudyCreate.model_validate(
+                {"workload": study.workload, "n_trials": 1, "search_space": study.search_space}
+            ).distributions()
+            if study.search_space
+            else None
+        )
+        for _ in range(wanted):
+            trial = optuna_study.ask(fixed_distributions=distributions)
+            row = Trial(study_id=study.id, optuna_trial_id=trial._trial_id, number=trial.number, params={}, signature="")
+            try:
+                params = trial.params if distributions else workload.search_space(trial)
+                row.params = dict(params)
+                row.signature = trial_signature(workload, study, params)
+            except Exception as exc:  # the workload's own code rejected these params
+                optuna_study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                row.state, row.error, row.completed_at = TrialState.FAIL, f"{type(exc).__name__}: {exc}", utcnow()
+            session.add(row)
+            session.commit()
+
+    # -- dispatching ---------------------------------------------------------------------------
+    def _dispatch(self, session: Session, study: Study) -> None:
+        idle = self.pool.idle()
+        if not idle:
+            return
+        waiting = session.scalars(
+            select(Trial)
+            .where(Trial.study_id == study.id, Trial.state == TrialState.WAITING, Trial.array_id.is_(None))
+            .order_by(Trial.number)
+        ).all()
+        if not waiting:
+            return
+        by_id = {t.id: t for t in waiting}
+        pending = [PendingTrial(trial_id=t.id, signature=t.signature, tenant=study.tenant, study_id=study.id) for t in waiting]
+        max_members = study.max_array_size or self.settings.max_array_size
+        for plan, worker in zip(pack(pending, max_members), idle):
+            self._start_array(session, study, worker, [by_id[i] for i in plan.trial_ids], plan.signature)
+
+    def _start_array(self, session: Session, study: Study, worker: WorkerHandle, trials: list[Trial], signature: str) -> None:
+        array = Array(study_id=study.id, signature=signature, worker_id=self._worker_ids.get(worker.name))
+        array.members = [ArrayMember(slot=i, trial_id=t.id) for i, t in enumerate(trials)]
+        session.add(array)
+        session.flush()
+        for t in trials:
+            t.array_id = array.id
+        session.commit()
+        spec = ArraySpec(
+            array_id=array.id,
+            database_url=self.url,
+            study_name=study.name,
+            workload=study.workload,
+            epochs=study.epochs,
+            members=tuple(MemberSpec(t.id, t.optuna_trial_id, t.number, dict(t.params)) for t in trials),
+            pruner=study.pruner,
+            seed=array.id,
+        )
+        self.pool.submit(worker, spec)
+        log.info("array %d: %d trials of study %s on %s", array.id, len(trials), study.name, worker.name)
+
+    # -- recording -----------------------------------------------------------------------------
+    def _record(self, worker: WorkerHandle, spec: ArraySpec, result: ArrayOutcome | BaseException) -> None:
+        with self.sessions.begin() as session:
+            array = session.get(Array, spec.array_id)
+            if isinstance(result, ArrayOutcome):
+                array.state = ArrayState.FAIL if result.error else ArrayState.COMPLETE
+                array.error = result.error
+                array.models_steps_per_s = result.models_steps_per_s
+            else:
+                array.state, array.error = ArrayState.FAIL, f"worker {worker.name} failed: {result}"
+            array.completed_at = utcnow()
+            # Members the worker could not end itself (it died) fail with the array's error.
+            unfinished = session.scalars(
+                select(Trial).where(Trial.array_id == array.id, Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
+            ).all()
+            for trial in unfinished:
+                if self.storage.get_trial(trial.optuna_trial_id).state == optuna.trial.TrialState.RUNNING:
+                    self.storage.set_trial_state_values(trial.optuna_trial_id, optuna.trial.TrialState.FAIL)
+                trial.state, trial.error, trial.completed_at = TrialState.FAIL, array.error, utcnow()
+
+    def _maybe_complete(self, session: Session, study: Study) -> None:
+        counts = dict(
+            session.execute(
+                select(Trial.state, func.count()).where(Trial.study_id == study.id).group_by(Trial.state)
+            ).all()
+        )
+        finished = sum(n for state, n in counts.items() if state.is_finished)
+        if sum(counts.values()) >= study.n_trials and finished == sum(counts.values()):
+            study.state, study.completed_at = StudyState.COMPLETE, utcnow()
+            session.commit()
+            self._optuna_studies.pop(study.id, None)

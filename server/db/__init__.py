@@ -1,0 +1,33 @@
+"""fusetune's tables and the means to reach them."""
+
+from .engine import engine_kwargs, get_engine, get_optuna_storage, get_sessionmaker, upgrade
+from .models import (
+    Array,
+    ArrayMember,
+    ArrayState,
+    Base,
+    Study,
+    StudyState,
+    Trial,
+    TrialState,
+    Worker,
+    utcnow,
+)
+
+__all__ = [
+    "Array",
+    "ArrayMember",
+    "ArrayState",
+    "Base",
+    "Study",
+    "StudyState",
+    "Trial",
+    "TrialState",
+    "Worker",
+    "engine_kwargs",
+    "get_engine",
+    "get_optuna_storage",
+    "get_sessionmaker",
+    "upgrade",
+    "utcnow",
+]

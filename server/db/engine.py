@@ -1,0 +1,70 @@
+"""Engines, sessions and schema migrations for one database URL."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+import migrations
+
+MIGRATIONS_DIR = Path(migrations.__file__).parent
+#: Optuna keeps its own Alembic history in ``alembic_version``; ours must not share it.
+VERSION_TABLE = "fusetune_alembic_version"
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    # WAL lets Ray workers write metrics while the API reads; foreign keys are off by default.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def engine_kwargs(url: str) -> dict:
+    """Connection options every engine on ``url`` (ours and Optuna's) should use."""
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": 60, "check_same_thread": False}}
+    return {"pool_pre_ping": True}
+
+
+@lru_cache(maxsize=8)
+def get_engine(url: str) -> Engine:
+    """One engine per database URL and process."""
+    engine = create_engine(url, **engine_kwargs(url))
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+@lru_cache(maxsize=8)
+def get_sessionmaker(url: str) -> sessionmaker[Session]:
+    return sessionmaker(get_engine(url), expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    config.set_main_option("version_table", VERSION_TABLE)
+    return config
+
+
+def upgrade(url: str) -> None:
+    """Apply every pending migration of fusetune's tables to the database at ``url``."""
+    config = alembic_config(url)
+    with get_engine(url).begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+
+@lru_cache(maxsize=8)
+def get_optuna_storage(url: str) -> "optuna.storages.RDBStorage":
+    """Optuna's RDB storage on the same database, so ``optuna.load_study`` sees every trial."""
+    import optuna
+
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url))

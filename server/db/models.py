@@ -1,0 +1,152 @@
+"""SQLAlchemy models of fusetune's own state.
+
+Optuna's study, trial, param and intermediate-value tables live in the same database (through
+Optuna's RDB storage); fusetune's tables are prefixed ``ft_`` so the two never collide, and each
+fusetune trial points at its Optuna trial.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Enum, Float, ForeignKey, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: DateTime(timezone=True), dict[str, Any]: JSON}
+
+
+class StudyState(str, enum.Enum):
+    RUNNING = "RUNNING"
+    COMPLETE = "COMPLETE"
+
+
+class TrialState(str, enum.Enum):
+    """A trial's life in fusetune: WAITING for an array, RUNNING in one, then an end state."""
+
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"
+    COMPLETE = "COMPLETE"
+    PRUNED = "PRUNED"
+    FAIL = "FAIL"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+class ArrayState(str, enum.Enum):
+    RUNNING = "RUNNING"
+    COMPLETE = "COMPLETE"
+    FAIL = "FAIL"
+
+
+def _enum(cls: type[enum.Enum]) -> Enum:
+    # Stored as plain strings (no native enum type) so SQLite and PostgreSQL agree and new
+    # states need no ALTER TYPE.
+    return Enum(cls, native_enum=False, length=16, validate_strings=True)
+
+
+class Study(Base):
+    """A tuning study: which workload, how many trials, and how to sample and prune them."""
+
+    __tablename__ = "ft_studies"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    tenant: Mapped[str] = mapped_column(String(255), default="default", index=True)
+    workload: Mapped[str] = mapped_column(String(255))
+    n_trials: Mapped[int] = mapped_column(Integer)
+    epochs: Mapped[int] = mapped_column(Integer)
+    direction: Mapped[str] = mapped_column(String(16))
+    search_space: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    sampler: Mapped[dict[str, Any]] = mapped_column(JSON)
+    pruner: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    max_array_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    optuna_study_id: Mapped[int] = mapped_column(Integer, unique=True)
+    state: Mapped[StudyState] = mapped_column(_enum(StudyState), default=StudyState.RUNNING, index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+    trials: Mapped[list[Trial]] = relationship(back_populates="study", order_by="Trial.number")
+
+
+class Trial(Base):
+    """One trial of a study, linked to its Optuna trial and to the array that trained it."""
+
+    __tablename__ = "ft_trials"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("ft_studies.id", ondelete="CASCADE"), index=True)
+    optuna_trial_id: Mapped[int] = mapped_column(Integer, unique=True)
+    number: Mapped[int] = mapped_column(Integer)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    signature: Mapped[str] = mapped_column(String(64), index=True)
+    state: Mapped[TrialState] = mapped_column(_enum(TrialState), default=TrialState.WAITING, index=True)
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    array_id: Mapped[int | None] = mapped_column(
+        ForeignKey("ft_arrays.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    completed_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+    study: Mapped[Study] = relationship(back_populates="trials")
+    array: Mapped[Array | None] = relationship(back_populates="trials", foreign_keys=[array_id])
+
+
+class Array(Base):
+    """A fused array: trials with one shape signature trained together as one model on one worker."""
+
+    __tablename__ = "ft_arrays"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("ft_studies.id", ondelete="CASCADE"), index=True)
+    signature: Mapped[str] = mapped_column(String(64))
+    state: Mapped[ArrayState] = mapped_column(_enum(ArrayState), default=ArrayState.RUNNING, index=True)
+    worker_id: Mapped[int | None] = mapped_column(ForeignKey("ft_workers.id"), nullable=True)
+    epochs_done: Mapped[int] = mapped_column(Integer, default=0)
+    models_steps_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+    members: Mapped[list[ArrayMember]] = relationship(
+        back_populates="array", order_by="ArrayMember.slot", cascade="all, delete-orphan"
+    )
+    trials: Mapped[list[Trial]] = relationship(back_populates="array", foreign_keys=[Trial.array_id])
+    worker: Mapped[Worker | None] = relationship()
+
+
+class ArrayMember(Base):
+    """Which trial sits in which slot of an array (the history stays when a trial is re-queued)."""
+
+    __tablename__ = "ft_array_members"
+
+    array_id: Mapped[int] = mapped_column(ForeignKey("ft_arrays.id", ondelete="CASCADE"), primary_key=True)
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("ft_trials.id", ondelete="CASCADE"), index=True)
+
+    array: Mapped[Array] = relationship(back_populates="members")
+    trial: Mapped[Trial] = relationship()
+
+
+class Worker(Base):
+    """A Ray actor that owns one accelerator (or the CPU) and trains one array at a time."""
+
+    __tablename__ = "ft_workers"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    device_type: Mapped[str] = mapped_column(String(64))
+    node: Mapped[str] = mapped_column(String(255))
+    state: Mapped[str] = mapped_column(String(16), default="IDLE")
+    last_seen: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,181 @@
+"""Pydantic models of what goes over the wire in the REST API."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, Literal
+
+import optuna
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from server.db import ArrayState, StudyState, TrialState
+from server.optuna_specs import PRUNERS, SAMPLERS, SpecError, make_pruner, make_sampler
+from workers.workloads import UnknownWorkloadError, get_workload
+
+
+class ComponentSpec(BaseModel):
+    """An Optuna sampler or pruner: class name (or short alias) and constructor kwargs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(examples=["TPESampler", "random", "MedianPruner"])
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+def _spec_validators(table: dict[str, Any], make: Any, kind: str) -> tuple[Any, Any]:
+    def known(cls: type, name: str) -> str:
+        if name not in table:
+            names = ", ".join(sorted(k for k in table if k[0].isupper()))
+            raise ValueError(f"unknown {kind} {name!r}; use one of: {names}")
+        return name
+
+    def constructible(cls: type, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "name" in info.data:  # otherwise the name already failed
+            try:
+                make(info.data["name"], kwargs)
+            except SpecError as exc:
+                raise ValueError(str(exc)) from exc
+        return kwargs
+
+    return field_validator("name")(classmethod(known)), field_validator("kwargs")(classmethod(constructible))
+
+
+class SamplerSpec(ComponentSpec):
+    """An Optuna sampler, e.g. ``{"name": "TPESampler", "kwargs": {"seed": 0}}``."""
+
+    _known, _constructible = _spec_validators(SAMPLERS, make_sampler, "sampler")
+
+
+class PrunerSpec(ComponentSpec):
+    """An Optuna pruner, e.g. ``{"name": "MedianPruner", "kwargs": {"n_warmup_steps": 2}}``."""
+
+    _known, _constructible = _spec_validators(PRUNERS, make_pruner, "pruner")
+
+
+class StudyCreate(BaseModel):
+    """A request to run a tuning study.
+
+    ``search_space`` maps each parameter to an Optuna distribution in the JSON form of
+    ``optuna.distributions.distribution_to_json`` (as a string or as the object it encodes);
+    when given it replaces the workload's default search space entirely.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    workload: str = Field(examples=["digits-mlp"])
+    n_trials: int = Field(gt=0, le=100_000)
+    epochs: int = Field(10, gt=0, le=10_000)
+    direction: Literal["minimize", "maximize"] | None = Field(
+        None, description="Defaults to the workload's metric direction."
+    )
+    name: str | None = Field(None, min_length=1, max_length=255)
+    tenant: str = Field("default", min_length=1, max_length=255)
+    search_space: dict[str, str | dict[str, Any]] | None = None
+    sampler: SamplerSpec = Field(default_factory=lambda: SamplerSpec(name="TPESampler"))
+    pruner: PrunerSpec | None = None
+    max_array_size: int | None = Field(None, gt=0, le=4096)
+
+    @field_validator("workload")
+    @classmethod
+    def _workload_exists(cls, name: str) -> str:
+        try:
+            get_workload(name)
+        except UnknownWorkloadError as exc:
+            raise ValueError(str(exc)) from exc
+        return name
+
+    @field_validator("search_space")
+    @classmethod
+    def _distributions(
+        cls, space: dict[str, str | dict[str, Any]] | None
+    ) -> dict[str, str | dict[str, Any]] | None:
+        if space is None:
+            return None
+        if not space:
+            raise ValueError("search_space must name at least one parameter (or be omitted)")
+        for param, encoded in space.items():
+            text = encoded if isinstance(encoded, str) else json.dumps(encoded)
+            try:
+                optuna.distributions.json_to_distribution(text)
+            except Exception as exc:  # Optuna raises ValueError, KeyError or JSONDecodeError
+                raise ValueError(
+                    f"search_space[{param!r}] is not an Optuna distribution JSON: {exc!r}"
+                ) from exc
+        return space
+
+    def distributions(self) -> dict[str, optuna.distributions.BaseDistribution] | None:
+        """The search space as Optuna distribution objects (None: the workload's default)."""
+        if self.search_space is None:
+            return None
+        return {
+            name: optuna.distributions.json_to_distribution(v if isinstance(v, str) else json.dumps(v))
+            for name, v in self.search_space.items()
+        }
+
+
+class BestTrial(BaseModel):
+    number: int
+    value: float
+    params: dict[str, Any]
+
+
+class StudyOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    name: str
+    tenant: str
+    workload: str
+    n_trials: int
+    epochs: int
+    direction: str
+    search_space: dict[str, Any] | None
+    sampler: dict[str, Any]
+    pruner: dict[str, Any] | None
+    max_array_size: int | None
+    state: StudyState
+    created_at: datetime
+    completed_at: datetime | None
+    trial_counts: dict[str, int] = Field(default_factory=dict)
+    best_trial: BestTrial | None = None
+
+
+class TrialOut(BaseModel):
+    id: int
+    number: int
+    optuna_trial_id: int
+    state: TrialState
+    params: dict[str, Any]
+    value: float | None
+    intermediate_values: dict[int, float] = Field(
+        description="Validation metric after each epoch (epoch index -> value)."
+    )
+    array_id: int | None
+    signature: str
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    completed_at: datetime | None
+
+
+class ArrayOut(BaseModel):
+    id: int
+    study_id: int
+    signature: str
+    state: ArrayState
+    size: int
+    trial_ids: list[int]
+    worker: str | None
+    device_type: str | None
+    epochs_done: int
+    models_steps_per_s: float | None
+    error: str | None
+    created_at: datetime
+    completed_at: datetime | None
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    database: str
+    workers: int

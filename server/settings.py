@@ -1,0 +1,61 @@
+"""The service's configuration: one typed object read from ``FUSETUNE_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+
+
+class Settings(BaseSettings):
+    """Everything the server, its scheduling loop and its workers are configured by.
+
+    Each field is read from the environment variable ``FUSETUNE_<FIELD>`` (for example
+    ``FUSETUNE_DATABASE_URL``), so the same code runs on the embedded default (SQLite and a
+    local Ray instance) and in production (PostgreSQL and a Ray cluster).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="FUSETUNE_", extra="ignore")
+
+    database_url: str = Field(
+        "sqlite:///./fusetune.db",
+        description="SQLAlchemy URL of the database holding both fusetune's and Optuna's tables.",
+    )
+    ray_address: str | None = Field(
+        None, description="Address of an existing Ray cluster; unset starts a local Ray instance."
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    artifact_dir: Path = Field(Path("./artifacts"), description="Where workers write checkpoints.")
+    max_array_size: int = Field(8, ge=1, description="Most trials fused into one array.")
+    cpu_workers: int = Field(1, ge=1, description="CPU worker actors to start when no GPU is present.")
+    ask_batch: int = Field(
+        16,
+        ge=1,
+        description="Most trials asked from a study's sampler ahead of being trained. Larger "
+        "batches fill arrays better; smaller ones let the sampler learn from more finished trials.",
+    )
+    poll_interval_s: float = Field(0.2, gt=0, description="Period of the scheduling loop.")
+
+    @field_validator("database_url")
+    @classmethod
+    def _absolute_sqlite_path(cls, value: str) -> str:
+        # Ray workers may run in another working directory: pin a relative SQLite file to the
+        # directory the service was started from, so every process opens the same database.
+        url = make_url(value)
+        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+            path = Path(url.database)
+            if not path.is_absolute():
+                url = url.set(database=str(Path(os.getcwd(), path).resolve()))
+                return url.render_as_string(hide_password=False)
+        return value
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment once."""
+    return Settings()

@@ -1,0 +1,64 @@
+"""Shared fixtures: one local Ray per session, databases on SQLite and PostgreSQL, live servers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+POSTGRES_ENV = "FUSETUNE_TEST_POSTGRES_URL"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """A local Ray instance for the whole test session; yields its address."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def _postgres_database() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database, dropped afterwards."""
+    base = os.environ.get(POSTGRES_ENV)
+    if not base:
+        pytest.skip(f"{POSTGRES_ENV} is not set: no PostgreSQL server to test against")
+    name = f"fusetune_test_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        from server.db import get_engine, get_optuna_storage
+
+        url = make_url(base).set(database=name).render_as_string(hide_password=False)
+        if get_engine.cache_info().currsize:
+            get_engine(url).dispose()
+        get_optuna_storage.cache_clear()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An empty database, once on SQLite and once on PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'fusetune.db'}"
+    else:
+        yield from _postgres_database()

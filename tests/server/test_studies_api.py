@@ -1,0 +1,104 @@
+"""The studies API over real HTTP: what a valid request creates, and what bad input gets."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import optuna
+import pytest
+import sqlalchemy as sa
+
+from server.db import get_engine
+
+VALID = {"workload": "digits-mlp", "n_trials": 4, "epochs": 2}
+
+
+def row_counts(url: str) -> dict[str, int]:
+    """Rows in fusetune's tables and in Optuna's, to show a rejected request wrote nothing."""
+    with get_engine(url).connect() as conn:
+        return {
+            table: conn.execute(sa.text(f"SELECT COUNT(*) FROM {table}")).scalar_one()
+            for table in ("ft_studies", "ft_trials", "ft_arrays", "studies", "trials")
+        }
+
+
+def field_of(response: httpx.Response) -> list[list[str]]:
+    return [err["loc"] for err in response.json()["detail"]]
+
+
+def test_create_study_is_an_optuna_study(api: httpx.Client, database_url: str) -> None:
+    space = {"lr": optuna.distributions.distribution_to_json(optuna.distributions.FloatDistribution(1e-3, 0.1, log=True))}
+    response = api.post("/api/v1/studies", json={**VALID, "name": "mine", "search_space": space})
+    assert response.status_code == 201, response.text
+    study = response.json()
+    assert study["name"] == "mine"
+    assert study["state"] == "RUNNING"
+    assert study["direction"] == "maximize"  # the workload's metric is accuracy
+    assert study["sampler"] == {"name": "TPESampler", "kwargs": {}}
+    assert study["trial_counts"] == {"WAITING": 0, "RUNNING": 0, "COMPLETE": 0, "PRUNED": 0, "FAIL": 0}
+
+    assert api.get(f"/api/v1/studies/{study['id']}").json()["name"] == "mine"
+    assert [s["name"] for s in api.get("/api/v1/studies").json()] == ["mine"]
+    assert api.get(f"/api/v1/studies/{study['id']}/trials").json() == []
+    assert api.get("/api/v1/arrays", params={"study_id": study["id"]}).json() == []
+    loaded = optuna.load_study(study_name="mine", storage=database_url)
+    assert loaded.direction == optuna.study.StudyDirection.MAXIMIZE
+
+
+def test_search_space_accepts_distribution_objects(api: httpx.Client) -> None:
+    encoded = json.loads(optuna.distributions.distribution_to_json(optuna.distributions.CategoricalDistribution([32, 64])))
+    response = api.post("/api/v1/studies", json={**VALID, "search_space": {"hidden": encoded}})
+    assert response.status_code == 201, response.text
+
+
+@pytest.mark.parametrize(
+    ("change", "loc"),
+    [
+        ({"workload": "no-such-workload"}, ["body", "workload"]),
+        ({"n_trials": 0}, ["body", "n_trials"]),
+        ({"n_trials": -3}, ["body", "n_trials"]),
+        ({"epochs": 0}, ["body", "epochs"]),
+        ({"direction": "sideways"}, ["body", "direction"]),
+        ({"search_space": {"lr": "{not json"}}, ["body", "search_space"]),
+        ({"search_space": {"lr": '{"name": "NoSuchDistribution", "attributes": {}}'}}, ["body", "search_space"]),
+        ({"search_space": {"lr": {"name": "FloatDistribution", "attributes": {"low": 1.0, "high": 0.0}}}}, ["body", "search_space"]),
+        ({"sampler": {"name": "NoSuchSampler"}}, ["body", "sampler", "name"]),
+        ({"sampler": {"name": "TPESampler", "kwargs": {"n_startup": 3}}}, ["body", "sampler", "kwargs"]),
+        ({"pruner": {"name": "NoSuchPruner"}}, ["body", "pruner", "name"]),
+        ({"pruner": {"name": "MedianPruner", "kwargs": {"n_warmup_steps": -1}}}, ["body", "pruner", "kwargs"]),
+        ({"unexpected": 1}, ["body", "unexpected"]),
+    ],
+)
+def test_bad_input_is_422_naming_the_field_and_writes_nothing(
+    api: httpx.Client, database_url: str, change: dict, loc: list[str]
+) -> None:
+    before = row_counts(database_url)
+    response = api.post("/api/v1/studies", json={**VALID, **change})
+    assert response.status_code == 422, response.text
+    assert loc in field_of(response)
+    assert any(change_key in json.dumps(response.json()) for change_key in change)
+    assert row_counts(database_url) == before
+
+
+def test_duplicate_name_is_409_naming_the_field(api: httpx.Client, database_url: str) -> None:
+    assert api.post("/api/v1/studies", json={**VALID, "name": "twice"}).status_code == 201
+    before = row_counts(database_url)
+    response = api.post("/api/v1/studies", json={**VALID, "name": "twice"})
+    assert response.status_code == 409
+    assert field_of(response) == [["body", "name"]]
+    assert row_counts(database_url) == before
+
+
+def test_unknown_study_is_404(api: httpx.Client) -> None:
+    for path in ("/api/v1/studies/999", "/api/v1/studies/999/trials"):
+        response = api.get(path)
+        assert response.status_code == 404
+        assert "study 999 does not exist" in response.json()["detail"]
+    assert api.get("/api/v1/arrays", params={"study_id": 999}).status_code == 404
+    assert api.get("/api/v1/studies/abc").status_code == 422
+
+
+def test_healthz_names_the_database(api: httpx.Client, database_url: str) -> None:
+    body = api.get("/healthz").json()
+    assert body == {"status": "ok", "database": database_url.split("+")[0].split(":")[0], "workers": 0}

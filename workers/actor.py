@@ -1,0 +1,42 @@
+"""The Ray actor that owns one device and trains one array on it at a time."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from workers.spec import ArrayOutcome, ArraySpec
+from workers.training import train_array
+
+
+class ArrayWorker:
+    """Trains arrays on one device: a GPU (``cuda``), a TPU core (``xla``) or the CPU.
+
+    Wrapped with ``ray.remote`` by :class:`workers.pool.WorkerPool`, which gives it the
+    device's resources, so Ray places exactly one worker per accelerator.
+    """
+
+    def __init__(self, name: str, device_type: str, num_threads: int) -> None:
+        self.name = name
+        self.device_type = device_type
+        if device_type == "cpu":
+            # Ray pins OMP threads to the actor's CPUs; torch must agree or it oversubscribes.
+            torch.set_num_threads(num_threads)
+        self.device = self._device(device_type)
+
+    @staticmethod
+    def _device(device_type: str) -> torch.device:
+        if device_type == "xla":
+            import torch_xla.core.xla_model as xm  # only present on TPU hosts
+
+            return xm.xla_device()
+        return torch.device(device_type)
+
+    def info(self) -> dict[str, str]:
+        """Where this worker runs, for the ``ft_workers`` table."""
+        return {"name": self.name, "device_type": self.device_type, "node": f"{socket.gethostname()}:{os.getpid()}"}
+
+    def run(self, spec: ArraySpec) -> ArrayOutcome:
+        return train_array(spec, self.device)

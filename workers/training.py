@@ -1,0 +1,130 @@
+"""Training one array: B trials of a workload as one fused model, reporting every epoch."""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import fusion
+from workers.reporting import Reporter
+from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
+from workers.workloads import Workload, get_workload
+
+#: Per-member hyper-parameters each optimizer takes from a trial's params, with torch's defaults.
+OPTIMIZER_HPARAMS: dict[str, dict[str, Any]] = {
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0},
+    "adam": {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999},
+}
+
+
+def optimizer_kwargs(workload: Workload, params: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """Per-member optimizer hyper-parameters: the trial's value, else the workload's, else torch's."""
+    defaults = OPTIMIZER_HPARAMS[workload.optimizer]
+    per_member = [
+        {name: p.get(name, workload.optimizer_defaults.get(name, default)) for name, default in defaults.items()}
+        for p in params
+    ]
+    kwargs = {name: [m[name] for m in per_member] for name in defaults if not name.startswith("beta")}
+    if workload.optimizer == "adam":
+        kwargs["betas"] = [(m["beta1"], m["beta2"]) for m in per_member]
+    return kwargs
+
+
+def make_optimizer(workload: Workload, model: nn.Module, params: Sequence[Mapping[str, Any]]) -> torch.optim.Optimizer:
+    cls = {"sgd": fusion.optim.SGD, "adam": fusion.optim.Adam}[workload.optimizer]
+    return cls(model.parameters(), **optimizer_kwargs(workload, params))
+
+
+def build_models(workload: Workload, members: Sequence[MemberSpec], seed: int) -> list[nn.Module]:
+    """One model per member, each initialised from its own seed so results are reproducible."""
+    models = []
+    for member in members:
+        torch.manual_seed(seed + member.number)
+        models.append(workload.build_model(member.params))
+    return models
+
+
+def train_array(spec: ArraySpec, device: torch.device, reporter: Reporter | None = None) -> ArrayOutcome:
+    """Train ``spec``'s members as one fused model for ``spec.epochs`` epochs.
+
+    After every epoch each live member's validation metric is reported; members whose
+    pruner says so are pruned and members whose loss stopped being finite fail, while the
+    others keep training. Any other error fails the whole array, with the error recorded.
+    """
+    reporter = reporter or Reporter(spec)
+    outcome = ArrayOutcome(array_id=spec.array_id)
+    members = list(spec.members)
+    live = [True] * len(members)
+    try:
+        workload = get_workload(spec.workload)
+        reporter.started()
+        fused = fusion.fuse(build_models(workload, members, spec.seed)).to(device)
+        optimizer = make_optimizer(workload, fused, [m.params for m in members])
+        train, val = workload.datasets()
+        x, y = (t.to(device) for t in train.tensors)
+        x_val, y_val = (t.to(device) for t in val.tensors)
+        batch_size = workload.batch_size_for(members[0].params)
+        generator = torch.Generator().manual_seed(spec.seed)
+        num_members = len(members)
+        member_steps, train_seconds = 0, 0.0
+        last_values: list[float | None] = [None] * num_members
+
+        for epoch in range(spec.epochs):
+            fused.train()
+            start = time.perf_counter()
+            order = torch.randperm(len(y), generator=generator).to(device)
+            losses = torch.zeros(num_members, device=device)
+            for begin in range(0, len(y), batch_size):
+                idx = order[begin : begin + batch_size]
+                out = fused(fusion.broadcast(x[idx], num_members))
+                losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(y[idx], num_members))
+                optimizer.zero_grad(set_to_none=True)
+                losses.sum().backward()
+                optimizer.step()
+                member_steps += sum(live)
+            train_seconds += time.perf_counter() - start
+
+            fused.eval()
+            with torch.no_grad():
+                out = fused(fusion.broadcast(x_val, num_members))
+            values = [float(workload.metric(out[b], y_val)) for b in range(num_members)]
+            final_losses = losses.detach().cpu().tolist()
+
+            alive = [b for b in range(num_members) if live[b]]
+            for b in alive:
+                if not math.isfinite(final_losses[b]) or not math.isfinite(values[b]):
+                    reporter.fail(members[b], f"training diverged: non-finite loss at epoch {epoch}")
+                    outcome.failed[members[b].trial_id] = "training diverged"
+                    live[b] = False
+            alive = [b for b in alive if live[b]]
+            prune = reporter.epoch(epoch, [members[b] for b in alive], [values[b] for b in alive])
+            for b, should_prune in zip(alive, prune, strict=True):
+                last_values[b] = values[b]
+                if should_prune and epoch < spec.epochs - 1:
+                    reporter.pruned(members[b], values[b])
+                    outcome.pruned.append(members[b].trial_id)
+                    live[b] = False
+            outcome.epochs_done = epoch + 1
+            if not any(live):
+                break
+
+        for b in range(num_members):
+            if live[b]:
+                reporter.complete(members[b], last_values[b])
+                outcome.completed.append(members[b].trial_id)
+        if train_seconds > 0:
+            outcome.models_steps_per_s = member_steps / train_seconds
+    except Exception as exc:  # the array fails as a whole; every member still live records why
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        detail = outcome.error + "\n" + traceback.format_exc(limit=5)
+        for b, member in enumerate(members):
+            if live[b]:
+                reporter.fail(member, detail)
+                outcome.failed[member.trial_id] = outcome.error
+    return outcome

@@ -1,0 +1,70 @@
+"""Finding a workload by name: built-ins, the ``fusetune.workloads`` entry points, or a path."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from ._base import Workload
+from ._digits import DIGITS_CNN, DIGITS_MLP
+
+ENTRY_POINT_GROUP = "fusetune.workloads"
+
+_registered: dict[str, Workload] = {w.name: w for w in (DIGITS_MLP, DIGITS_CNN)}
+
+
+class UnknownWorkloadError(LookupError):
+    """No workload answers to the given name."""
+
+
+def register_workload(workload: Workload) -> Workload:
+    """Make ``workload`` available under ``workload.name`` in this process."""
+    _registered[workload.name] = workload
+    return workload
+
+
+def _from_entry_points(name: str) -> Workload | None:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return _check(ep.load(), name)
+    return None
+
+
+def _from_path(path: str) -> Workload:
+    module_name, _, attr = path.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UnknownWorkloadError(f"cannot import workload {path!r}: {exc}") from exc
+    return _check(obj, path)
+
+
+def _check(obj: object, name: str) -> Workload:
+    if not isinstance(obj, Workload):
+        raise UnknownWorkloadError(f"{name!r} is a {type(obj).__name__}, not a fusetune Workload")
+    return obj
+
+
+def get_workload(name: str) -> Workload:
+    """The workload called ``name``.
+
+    Looked up among built-ins and registered workloads, then the ``fusetune.workloads``
+    entry-point group, then as a ``package.module:attr`` import path.
+
+    Raises:
+        UnknownWorkloadError: nothing by that name exists.
+    """
+    if name in _registered:
+        return _registered[name]
+    found = _from_entry_points(name)
+    if found is not None:
+        return found
+    if ":" in name:
+        return _from_path(name)
+    known = ", ".join(sorted(available_workloads()))
+    raise UnknownWorkloadError(f"unknown workload {name!r}; known workloads: {known}")
+
+
+def available_workloads() -> list[str]:
+    """Names of the built-in, registered and entry-point workloads."""
+    return sorted(set(_registered) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
