@@ -4,16 +4,38 @@ Public surface (everything else lives in private modules):
 
 * :func:`shape_signature`, :class:`Signature`, :func:`fusible_params` -- fusion keys.
 * :class:`PendingTrial`, :class:`ArrayPlan`, :func:`pack` -- balanced packing.
+* :class:`Device`, :class:`Tenant`, :class:`Placement`, :class:`Decision` -- round I/O.
+* :class:`ThroughputModel`, :class:`SpeedupCurve` -- fused-array speed, prior + online.
+* :class:`Scheduler`, :func:`make_scheduler`, ``POLICIES`` -- the per-round decision.
+* :class:`AllocationProblem`, :class:`Allocation`, :func:`solve_allocation` -- the LPs.
 """
 
+from scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy, solve_allocation
 from scheduler._packing import ArrayPlan, PendingTrial, pack
+from scheduler._scheduler import POLICIES, PolicyName, Scheduler, make_scheduler
 from scheduler._signature import Signature, fusible_params, shape_signature
+from scheduler._throughput import SpeedupCurve, ThroughputModel
+from scheduler._types import Decision, Device, Placement, Tenant
 
 __all__ = [
+    "Allocation",
+    "AllocationProblem",
     "ArrayPlan",
+    "Decision",
+    "Device",
+    "FairnessPolicy",
+    "POLICIES",
     "PendingTrial",
+    "Placement",
+    "PolicyName",
+    "Scheduler",
     "Signature",
+    "SpeedupCurve",
+    "Tenant",
+    "ThroughputModel",
     "fusible_params",
+    "make_scheduler",
     "pack",
     "shape_signature",
+    "solve_allocation",
 ]

@@ -1,0 +1,437 @@
+"""The round-based scheduler: allocation, rounding into placements, leases, backfill.
+
+One implementation serves the live server and the simulator: both call
+:meth:`Scheduler.decide` once per round with the current trials, devices, tenants and
+running arrays; only the clock and the devices differ.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy, solve_allocation
+from scheduler._packing import PendingTrial
+from scheduler._throughput import SpeedupCurve, ThroughputModel
+from scheduler._types import Decision, Device, Placement, Tenant
+
+__all__ = ["Scheduler", "PolicyName", "POLICIES", "make_scheduler"]
+
+PolicyName = Literal["fifo", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"]
+
+
+@dataclass(frozen=True)
+class _Preset:
+    fairness: FairnessPolicy | None  # None: FIFO order, heterogeneity-unaware, no preemption
+    fusion: bool
+
+
+POLICIES: Mapping[str, _Preset] = {
+    "fifo": _Preset(None, False),
+    "gavel": _Preset("max_min", False),
+    "oef": _Preset("oef", False),
+    "oef-noncooperative": _Preset("oef_noncooperative", False),
+    "fusion-greedy": _Preset(None, True),
+    "fusetune": _Preset("oef", True),
+}
+
+_CARRY_LIMIT = 3.0  # bounds how much past over/under-service a class can bank
+
+
+class Scheduler:
+    """Decides, each round, which arrays run on which devices.
+
+    Args:
+        fairness: LP policy for the fractional allocation (``"max_min"``, ``"oef"``,
+            ``"oef_noncooperative"``), or None for FIFO (arrival order, first free device,
+            arrays run to completion -- the Ray Tune way).
+        fusion: whether trials of equal signature are fused (B chosen per device type by
+            :meth:`ThroughputModel.array_size`); False runs one trial per device.
+        throughput: the model to decide with (updated by the caller via ``observe``).
+        max_members: hard cap on B.
+        min_member_efficiency: fusing pays while each member keeps at least this fraction
+            of its solo speed (bounds how much fusion may slow a single trial down).
+        lease_seconds: how long a placement is guaranteed once granted or extended.
+    """
+
+    def __init__(
+        self,
+        fairness: FairnessPolicy | None = "oef",
+        fusion: bool = True,
+        throughput: ThroughputModel | None = None,
+        *,
+        max_members: int = 16,
+        min_member_efficiency: float = 0.5,
+        lease_seconds: float = 360.0,
+    ) -> None:
+        if max_members < 1:
+            raise ValueError(f"max_members must be >= 1, got {max_members}")
+        if not 0.0 < min_member_efficiency <= 1.0:
+            raise ValueError(f"min_member_efficiency must be in (0, 1], got {min_member_efficiency}")
+        if lease_seconds < 0:
+            raise ValueError(f"lease_seconds must be >= 0, got {lease_seconds}")
+        self.fairness = fairness
+        self.fusion = fusion
+        self.throughput = throughput if throughput is not None else ThroughputModel()
+        self.max_members = max_members if fusion else 1
+        self.min_member_efficiency = min_member_efficiency
+        self.lease_seconds = lease_seconds
+        # Cumulative (allocated - placed) devices per (class, type): rounding debt that
+        # later rounds repay, so small fractional shares are honoured over time.
+        self._carry: dict[tuple[tuple[str, str], str], float] = {}
+        self._sizes: dict[tuple[SpeedupCurve, int], int] = {}
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _members(self, signature: str, device_type: str, memory_bytes: int) -> int:
+        """B for ``signature`` on a device (memoised per curve: sizing is a hot path)."""
+        curve = self.throughput.curve(signature, device_type)
+        key = (curve, memory_bytes)
+        b = self._sizes.get(key)
+        if b is None:
+            b = self.throughput.array_size(
+                signature, device_type, memory_bytes, self.max_members, self.min_member_efficiency
+            )
+            if len(self._sizes) > 100_000:
+                self._sizes.clear()
+            self._sizes[key] = b
+        return b
+
+    def problem(
+        self,
+        classes: Sequence[tuple[str, str]],
+        demand: Sequence[int],
+        devices: Sequence[Device],
+        tenants: Mapping[str, float],
+    ) -> tuple[AllocationProblem, tuple[str, ...], np.ndarray]:
+        """Build the allocation LP instance for ``classes``; also returns types and members."""
+        types = tuple(sorted({d.device_type for d in devices}))
+        capacity = np.array([sum(1 for d in devices if d.device_type == g) for g in types], dtype=float)
+        memory = {g: min(d.memory_bytes for d in devices if d.device_type == g) for g in types}
+        tenant_names = tuple(tenants)
+        tenant_index = {t: i for i, t in enumerate(tenant_names)}
+        n_c, n_g = len(classes), len(types)
+        members = np.zeros((n_c, n_g))
+        rate = np.zeros((n_c, n_g))
+        dem = np.asarray(demand, dtype=float)
+        best_solo: dict[str, float] = {}
+        for ci, (_, sig) in enumerate(classes):
+            if sig not in best_solo:
+                best_solo[sig] = max(self.throughput.curve(sig, g).solo_steps_per_s for g in types)
+            for gi, g in enumerate(types):
+                b = min(self._members(sig, g, memory[g]), int(dem[ci]))
+                members[ci, gi] = b
+                if b > 0 and best_solo[sig] > 0:
+                    rate[ci, gi] = self.throughput.rate(sig, g, b) / best_solo[sig]
+        problem = AllocationProblem(
+            weights=np.array([tenants[t] for t in tenant_names], dtype=float),
+            capacity=capacity,
+            class_tenant=np.array([tenant_index[t] for t, _ in classes], dtype=int),
+            rate=rate,
+            members=members,
+            demand=dem,
+        )
+        return problem, types, members
+
+    # -- the round ---------------------------------------------------------------------
+
+    def decide(
+        self,
+        now: float,
+        trials: Sequence[PendingTrial],
+        devices: Sequence[Device],
+        tenants: Sequence[Tenant],
+        running: Sequence[Placement] = (),
+    ) -> Decision:
+        """Decide this round's placements.
+
+        Args:
+            now: current time in seconds (any monotone clock; leases are compared to it).
+            trials: every unfinished trial, pending or running.  Trials absent from this
+                list are treated as finished and leave their arrays.
+            devices: devices currently available (a device that disappeared loses its array).
+            tenants: tenants and weights; trials of unlisted tenants get weight 1.0.
+            running: the arrays running now (normally the previous decision's placements).
+
+        Returns:
+            A :class:`Decision`.  Invariants: at most one array per device, arrays only
+            hold trials of one tenant and one signature, no more members than the device's
+            memory allows, and no device is left idle while a waiting trial fits on it.
+        """
+        t_start = time.perf_counter()
+        by_id: dict[int, PendingTrial] = {}
+        for t in trials:
+            if t.trial_id in by_id:
+                raise ValueError(f"duplicate trial_id {t.trial_id}")
+            by_id[t.trial_id] = t
+        weights: dict[str, float] = {t.name: t.weight for t in tenants}
+        for t in trials:
+            weights.setdefault(t.tenant, 1.0)
+        device_by_id = {d.device_id: d for d in devices}
+        if len(device_by_id) != len(devices):
+            raise ValueError("duplicate device_id in devices")
+
+        # Classes: a tenant's interchangeable trials (same signature), deterministic order.
+        order = {t.trial_id: i for i, t in enumerate(trials)}
+        members_of: dict[tuple[str, str], list[int]] = {}
+        for t in sorted(trials, key=lambda t: (-t.priority, order[t.trial_id])):
+            members_of.setdefault((t.tenant, t.signature), []).append(t.trial_id)
+        classes = tuple(sorted(members_of))
+
+        # Running arrays whose device and trials still exist.
+        current: list[tuple[Placement, Device, list[int]]] = []
+        busy: set[int] = set()
+        for p in running:
+            d = device_by_id.get(p.device_id)
+            alive = [i for i in p.trial_ids if i in by_id and i not in busy]
+            if d is None or not alive:
+                continue
+            busy.update(alive)
+            current.append((p, d, alive))
+
+        allocation: Allocation | None = None
+        types: tuple[str, ...] = tuple(sorted({d.device_type for d in devices}))
+        solver = 0.0
+        if self.fairness is None:
+            placements = self._fifo(now, trials, by_id, current, busy, devices)
+        else:
+            problem, types, _ = self.problem(classes, [len(members_of[c]) for c in classes], devices, weights)
+            allocation = solve_allocation(problem, self.fairness)
+            solver = allocation.solver_seconds
+            placements = self._round(now, allocation, classes, types, members_of, current, busy, devices)
+
+        placed = {i for p in placements for i in p.trial_ids}
+        before = {p.device_id: p for p, _, _ in current}
+        started = tuple(
+            p for p in placements
+            if p.device_id not in before or before[p.device_id].trial_ids != p.trial_ids
+            or before[p.device_id].signature != p.signature
+        )
+        preempted = tuple(sorted(i for p, _, alive in current for i in alive if i not in placed))
+        return Decision(
+            placements=tuple(sorted(placements, key=lambda p: p.device_id)),
+            started=started,
+            preempted=preempted,
+            allocation=allocation,
+            classes=classes,
+            device_types=types,
+            solver_seconds=solver,
+            decide_seconds=time.perf_counter() - t_start,
+        )
+
+    def _fifo(
+        self,
+        now: float,
+        trials: Sequence[PendingTrial],
+        by_id: Mapping[int, PendingTrial],
+        current: Sequence[tuple[Placement, Device, list[int]]],
+        busy: set[int],
+        devices: Sequence[Device],
+    ) -> list[Placement]:
+        """Arrival order onto the first free device; running arrays are never preempted."""
+        waiting = [t for t in sorted(trials, key=lambda t: -t.priority) if t.trial_id not in busy]
+        queue_by_class: dict[tuple[str, str], list[int]] = {}
+        for t in waiting:
+            queue_by_class.setdefault((t.tenant, t.signature), []).append(t.trial_id)
+        taken: set[int] = set()
+        placements: list[Placement] = []
+        used: set[str] = set()
+        for p, d, alive in current:
+            ids = list(alive)
+            if self.fusion:
+                # Epoch-boundary refill of freed slots with same-signature trials.
+                want = self._members(p.signature, d.device_type, d.memory_bytes)
+                queue = queue_by_class.get((p.tenant, p.signature), [])
+                while len(ids) < want and queue:
+                    i = queue.pop(0)
+                    if i not in taken:
+                        taken.add(i)
+                        ids.append(i)
+            placements.append(Placement(d.device_id, p.signature, p.tenant, tuple(ids), math.inf))
+            used.add(d.device_id)
+        free = [d for d in devices if d.device_id not in used]
+        fi = 0
+        for t in waiting:
+            if fi >= len(free):
+                break
+            if t.trial_id in taken:
+                continue
+            d = free[fi]
+            b = self._members(t.signature, d.device_type, d.memory_bytes)
+            if b < 1:
+                continue
+            queue = queue_by_class[(t.tenant, t.signature)]
+            ids = []
+            for i in queue:
+                if len(ids) >= b:
+                    break
+                if i not in taken:
+                    taken.add(i)
+                    ids.append(i)
+            queue_by_class[(t.tenant, t.signature)] = [i for i in queue if i not in taken]
+            placements.append(Placement(d.device_id, t.signature, t.tenant, tuple(ids), math.inf))
+            fi += 1
+        return placements
+
+    def _round(
+        self,
+        now: float,
+        allocation: Allocation,
+        classes: Sequence[tuple[str, str]],
+        types: Sequence[str],
+        members_of: Mapping[tuple[str, str], list[int]],
+        current: Sequence[tuple[Placement, Device, list[int]]],
+        busy: set[int],
+        devices: Sequence[Device],
+    ) -> list[Placement]:
+        """Round the fractional allocation into placements, honouring leases."""
+        n_c, n_g = len(classes), len(types)
+        type_index = {g: i for i, g in enumerate(types)}
+        class_index = {c: i for i, c in enumerate(classes)}
+        x = allocation.devices
+        carry = np.array([[self._carry.get((c, g), 0.0) for g in types] for c in classes]).reshape(n_c, n_g)
+        desired = np.maximum(x + carry, 0.0)
+        capacity = np.array([sum(1 for d in devices if d.device_type == g) for g in types])
+
+        # Integer targets per (class, type): floors, then the largest remainders, within
+        # each type's capacity and never more arrays than the class has trials.
+        target = np.floor(desired + 1e-9).astype(int)
+        demand = np.array([len(members_of[c]) for c in classes])
+        for gi in range(n_g):
+            col = target[:, gi]
+            col[:] = np.minimum(col, demand)
+            while col.sum() > capacity[gi]:
+                j = int(np.argmax(np.where(col > 0, col - desired[:, gi], -np.inf)))
+                col[j] -= 1
+            spare = capacity[gi] - col.sum()
+            if spare > 0 and n_c:
+                rem = desired[:, gi] - col
+                for j in np.argsort(-rem, kind="stable")[: int(spare)]:
+                    if rem[j] > 1e-9 and col[j] < demand[j]:
+                        col[j] += 1
+
+        queues: dict[tuple[str, str], list[int]] = {
+            c: [i for i in members_of[c] if i not in busy] for c in classes
+        }
+        placed_count = np.zeros((n_c, n_g), dtype=int)
+        placements: list[Placement] = []
+        used: set[str] = set()
+
+        def fill(c: tuple[str, str], ids: list[int], want: int) -> list[int]:
+            q = queues[c]
+            take = max(0, want - len(ids))
+            ids = ids + q[:take]
+            del q[:take]
+            return ids
+
+        # 1. Keep running arrays: unexpired leases always; expired ones while the class is
+        #    still entitled to that many arrays on the type (the lease is then extended).
+        #    Unexpired first, so they count against the target before revocable ones.
+        for p, d, alive in sorted(current, key=lambda e: (e[0].lease_expires <= now, e[0].device_id)):
+            c = (p.tenant, p.signature)
+            ci, gi = class_index[c], type_index[d.device_type]
+            unexpired = p.lease_expires > now
+            if not unexpired and placed_count[ci, gi] >= target[ci, gi]:
+                continue  # preempted: the lease ran out and the class is over its share
+            want = min(self._members(p.signature, d.device_type, d.memory_bytes), self.max_members)
+            ids = fill(c, list(alive), want)  # epoch-boundary refill of freed slots
+            lease = p.lease_expires if unexpired else now + self.lease_seconds
+            placements.append(Placement(d.device_id, p.signature, p.tenant, tuple(ids), lease))
+            placed_count[ci, gi] += 1
+            used.add(d.device_id)
+        # Preempted arrays' trials go back to their queues (front: they were running).
+        kept = {i for p in placements for i in p.trial_ids}
+        for p, _, alive in current:
+            back = [i for i in alive if i not in kept]
+            if back:
+                c = (p.tenant, p.signature)
+                queues[c] = back + queues[c]
+
+        # 2. New arrays up to the targets, most under-served (class, type) first.
+        free_by_type: dict[str, list[Device]] = {g: [] for g in types}
+        for d in devices:
+            if d.device_id not in used:
+                free_by_type[d.device_type].append(d)
+        gaps = [
+            (float(desired[ci, gi] - placed_count[ci, gi]), ci, gi)
+            for ci in range(n_c)
+            for gi in range(n_g)
+            if target[ci, gi] > placed_count[ci, gi]
+        ]
+        for _, ci, gi in sorted(gaps, key=lambda e: (-e[0], e[1], e[2])):
+            c, g = classes[ci], types[gi]
+            while placed_count[ci, gi] < target[ci, gi] and queues[c] and free_by_type[g]:
+                d = free_by_type[g].pop(0)
+                b = self._members(c[1], g, d.memory_bytes)
+                if b < 1:
+                    continue
+                ids = fill(c, [], b)
+                placements.append(Placement(d.device_id, c[1], c[0], tuple(ids), now + self.lease_seconds))
+                placed_count[ci, gi] += 1
+
+        # 3. Work conservation: backfill every still-free device with the waiting class
+        #    that is most behind its allocation (ties: fastest on this type).  Backfill
+        #    leases are already expired, so the next round can reclaim the device.
+        behind = (x + carry).sum(axis=1) - placed_count.sum(axis=1)
+        for g in types:
+            gi = type_index[g]
+            heap = [
+                (-float(behind[ci]), -float(x[ci, gi] > 0), ci)
+                for ci, c in enumerate(classes)
+                if queues[c]
+            ]
+            heapq.heapify(heap)
+            for d in free_by_type[g]:
+                skipped: list[tuple[float, float, int]] = []
+                chosen: int | None = None
+                while heap:
+                    entry = heapq.heappop(heap)
+                    c = classes[entry[2]]
+                    if not queues[c]:
+                        continue  # drained by an earlier device
+                    if self._members(c[1], g, d.memory_bytes) < 1:
+                        skipped.append(entry)  # does not fit this device; maybe the next
+                        continue
+                    chosen = entry[2]
+                    break
+                for entry in skipped:
+                    heapq.heappush(heap, entry)
+                if chosen is None:
+                    continue
+                c = classes[chosen]
+                ids = fill(c, [], self._members(c[1], g, d.memory_bytes))
+                placements.append(Placement(d.device_id, c[1], c[0], tuple(ids), now))
+                placed_count[chosen, gi] += 1
+                behind[chosen] -= 1.0
+                if queues[c]:
+                    heapq.heappush(heap, (-float(behind[chosen]), -float(x[chosen, gi] > 0), chosen))
+
+        # Rounding debt for the next round (classes that vanished are forgotten).
+        self._carry = {
+            (c, g): float(np.clip(desired[ci, gi] - placed_count[ci, gi], -_CARRY_LIMIT, _CARRY_LIMIT))
+            for ci, c in enumerate(classes)
+            for gi, g in enumerate(types)
+            if x[ci, gi] > 0 or placed_count[ci, gi] > 0 or abs(carry[ci, gi]) > 1e-9
+        }
+        return placements
+
+
+def make_scheduler(policy: str, throughput: ThroughputModel | None = None, **kwargs: object) -> Scheduler:
+    """A :class:`Scheduler` configured as one of the named ``POLICIES``.
+
+    ``fifo`` (one trial per device, arrival order), ``gavel`` (heterogeneity-aware
+    max-min, unfused), ``oef`` / ``oef-noncooperative`` (unfused), ``fusion-greedy``
+    (fusion, FIFO, heterogeneity-unaware) and ``fusetune`` (fusion + OEF fairness +
+    heterogeneity).  Extra keyword arguments go to :class:`Scheduler`.
+    """
+    try:
+        preset = POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}") from None
+    return Scheduler(preset.fairness, preset.fusion, throughput, **kwargs)  # type: ignore[arg-type]
