@@ -1,0 +1,28 @@
+"""fusion: train B copies of one model as a single horizontally fused model.
+
+Typical use::
+
+    fused = fusion.fuse(models)                       # B models, same class and shapes
+    opt = fusion.optim.Adam(fused.parameters(), lr=[1e-3, 3e-4, ...])
+    out = fused(fusion.broadcast(x, fused.num_members))  # [B, N, ...]
+    fusion.per_member_loss(F.cross_entropy, out, fusion.broadcast(y, B)).sum().backward()
+    opt.step()
+    state_dict_of_member_2 = fused.member_state_dict(2)
+"""
+
+from . import lr_scheduler, optim
+from ._errors import FusionError
+from ._functional import broadcast, clip_grad_norm_, per_member_loss
+from ._model import FusedModel, fuse, fuse_from_state_dicts
+
+__all__ = [
+    "FusedModel",
+    "FusionError",
+    "broadcast",
+    "clip_grad_norm_",
+    "fuse",
+    "fuse_from_state_dicts",
+    "lr_scheduler",
+    "optim",
+    "per_member_loss",
+]

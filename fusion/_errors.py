@@ -1,0 +1,11 @@
+"""Exception type raised for everything the fusion engine refuses to do."""
+
+from __future__ import annotations
+
+
+class FusionError(ValueError):
+    """A model, input or setting that the fusion engine cannot fuse or handle.
+
+    Subclasses :class:`ValueError` so that callers validating user supplied
+    configurations can catch both with one ``except`` clause.
+    """

@@ -1,0 +1,114 @@
+"""Input broadcasting, per-member losses and per-member gradient clipping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._errors import FusionError
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def broadcast(x: torch.Tensor, num_members: int) -> torch.Tensor:
+    """Share one input ``[N, ...]`` with all members: returns ``[B, N, ...]`` (a view)."""
+    if num_members < 1:
+        raise FusionError(f"num_members must be >= 1, got {num_members}")
+    return x.unsqueeze(0).expand(num_members, *x.shape)
+
+
+def _mean_reduced_cross_entropy(loss_fn: Any) -> dict[str, Any] | None:
+    """Keyword arguments of ``F.cross_entropy`` if ``loss_fn`` is a plain one."""
+    if loss_fn is F.cross_entropy:
+        return {}
+    if type(loss_fn) is nn.CrossEntropyLoss and loss_fn.reduction == "mean" and loss_fn.weight is None:
+        return {"ignore_index": loss_fn.ignore_index, "label_smoothing": loss_fn.label_smoothing}
+    return None
+
+
+def per_member_loss(
+    loss_fn: LossFn | Sequence[LossFn], out: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """Loss of each member: ``Tensor[B]`` with ``losses[b] == loss_fn(out[b], target[b])``.
+
+    ``loss_fn`` is an ordinary mean-reduced torch loss (module or function),
+    or a sequence of B of them for per-member settings such as label
+    smoothing. Summing the result and calling ``backward`` gives every member
+    exactly the gradients of separate training (members share no parameters,
+    so the sum's gradient splits per member).
+    """
+    if out.shape[0] != target.shape[0]:
+        raise FusionError(
+            f"out has {out.shape[0]} members but target has {target.shape[0]}"
+        )
+    b = out.shape[0]
+    if isinstance(loss_fn, Sequence):
+        if len(loss_fn) != b:
+            raise ValueError(f"loss_fn: expected {b} loss functions, got {len(loss_fn)}")
+        return torch.stack([fn(out[i], target[i]) for i, fn in enumerate(loss_fn)])
+    ce = _mean_reduced_cross_entropy(loss_fn)
+    if ce is not None and not target.is_floating_point() and out.dim() == 3 and target.dim() == 2:
+        # Fast path for the common classification case: one kernel for all
+        # members, then torch's own "mean over non-ignored targets" per member.
+        n = out.shape[1]
+        per_sample = F.cross_entropy(
+            out.reshape(b * n, -1), target.reshape(b * n), reduction="none", **ce
+        ).view(b, n)
+        valid = (target != ce.get("ignore_index", -100)).sum(1)
+        return per_sample.sum(1) / valid.to(per_sample.dtype)
+    try:
+        return torch.func.vmap(loss_fn)(out, target)
+    except Exception:
+        # Losses without vmap support fall back to one call per member.
+        return torch.stack([loss_fn(out[i], target[i]) for i in range(b)])
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float | Sequence[float],
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Per-member ``torch.nn.utils.clip_grad_norm_`` for fused parameters.
+
+    Each member's gradients (slice ``[b]`` of every parameter) are clipped to
+    that member's ``max_norm`` (scalar or length-B sequence). Returns the
+    members' total norms before clipping, ``Tensor[B]``.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(0)
+    b = grads[0].shape[0]
+    limits = _per_member("max_norm", max_norm, b)
+    norm_type = float(norm_type)
+    per_param = torch.stack(
+        [torch.linalg.vector_norm(g.reshape(b, -1), norm_type, dim=1) for g in grads]
+    )
+    total = torch.linalg.vector_norm(per_param, norm_type, dim=0)
+    if error_if_nonfinite and not torch.isfinite(total).all():
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients of members "
+            f"{torch.nonzero(~torch.isfinite(total)).flatten().tolist()} is non-finite"
+        )
+    limit_t = torch.tensor(limits, dtype=total.dtype, device=total.device)
+    coef = torch.clamp(limit_t / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.view(b, *([1] * (g.dim() - 1))).to(g.dtype))
+    return total
+
+
+def _per_member(name: str, value: Any, b: int) -> list[Any]:
+    """Expand a scalar to B values or check a sequence has length B."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        if len(value) != b:
+            raise ValueError(f"{name}: expected a scalar or a sequence of length {b}, got length {len(value)}")
+        return list(value)
+    return [value] * b

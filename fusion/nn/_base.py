@@ -1,0 +1,122 @@
+"""Base class shared by every fused twin of a ``torch.nn`` layer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .._errors import FusionError
+
+# Attributes every nn.Module carries that say nothing about a layer's configuration.
+_IGNORED_ATTRS = frozenset({"training", "dump_patches", "call_super_init"})
+
+
+def plain_config(module: nn.Module, ignore: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Return the public plain-valued attributes that configure ``module``.
+
+    Two members can only share one fused layer when everything that shapes the
+    computation (strides, eps, negative slopes, ...) is equal; parameters and
+    buffers are compared separately by shape.
+    """
+    out: dict[str, Any] = {}
+    for key, value in vars(module).items():
+        if key.startswith("_") or key in _IGNORED_ATTRS or key in ignore:
+            continue
+        if value is None or isinstance(value, (bool, int, float, str, tuple, list)):
+            out[key] = value
+    return out
+
+
+def check_same_config(
+    members: Sequence[nn.Module], path: str, ignore: frozenset[str] = frozenset()
+) -> None:
+    """Raise :class:`FusionError` unless all ``members`` are configured alike."""
+    first = plain_config(members[0], ignore)
+    for b, m in enumerate(members[1:], start=1):
+        other = plain_config(m, ignore)
+        for key in sorted(set(first) | set(other)):
+            if first.get(key) != other.get(key):
+                raise FusionError(
+                    f"submodule '{path or '<root>'}' ({type(members[0]).__name__}): attribute "
+                    f"'{key}' differs between member 0 ({first.get(key)!r}) and member {b} "
+                    f"({other.get(key)!r}); only parameters, buffers and per-member settings "
+                    "may differ"
+                )
+
+
+def stack_param(tensors: Sequence[torch.Tensor | None], requires_grad: bool = True) -> nn.Parameter | None:
+    """Stack one parameter of every member into a ``[B, ...]`` parameter."""
+    if tensors[0] is None:
+        return None
+    stacked = torch.stack([t.detach() for t in tensors]).clone()
+    return nn.Parameter(stacked, requires_grad=requires_grad and tensors[0].requires_grad)
+
+
+def stack_buffer(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Stack one buffer of every member into a ``[B, ...]`` tensor."""
+    if tensors[0] is None:
+        return None
+    return torch.stack([t.detach() for t in tensors]).clone()
+
+
+class FusedLayer(nn.Module):
+    """A layer holding the parameters of B members stacked along a leading axis.
+
+    Inputs reach a fused layer with the member axis folded into the batch axis
+    (member-major: rows ``b*N .. (b+1)*N-1`` belong to member ``b``), so every
+    parameter-free operation between fused layers runs unchanged. Every
+    parameter and buffer of a fused layer has the member axis first; that
+    invariant is what lets :class:`fusion.FusedModel` export, remove and add
+    members generically.
+    """
+
+    #: Axis of the layer's main input that holds the folded ``B*N`` batch.
+    #: Layers that are applied to feature-last tensors (Linear, LayerNorm,
+    #: Embedding, Dropout) learn it from a dry run; see ``needs_batch_probe``.
+    batch_dim: int = 0
+    #: Whether :class:`fusion.FusedModel` must find ``batch_dim`` by a dry run.
+    needs_batch_probe: ClassVar[bool] = False
+    #: Plain attributes allowed to differ between members (held per member).
+    per_member_attrs: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, num_members: int) -> None:
+        super().__init__()
+        self.num_members = num_members
+
+    @classmethod
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> FusedLayer:
+        """Build the fused twin of ``members`` (same type); ``path`` is for messages."""
+        raise FusionError(f"{cls.__name__} cannot be built from members")
+
+    # Hooks for per-member state that is not a tensor (for example dropout p).
+    def select_members(self, index: list[int]) -> None:
+        """Keep only members ``index`` in non-tensor per-member state."""
+        self.num_members = len(index)
+
+    def append_members(self, other: FusedLayer) -> None:
+        """Append the members of ``other`` (same twin type) to non-tensor state."""
+        self.num_members += other.num_members
+
+    def _to_front(self, x: torch.Tensor) -> torch.Tensor:
+        """Move the folded batch axis of ``x`` to the front."""
+        return x if self.batch_dim == 0 else x.movedim(self.batch_dim, 0)
+
+    def _from_front(self, x: torch.Tensor) -> torch.Tensor:
+        """Undo :meth:`_to_front`."""
+        return x if self.batch_dim == 0 else x.movedim(0, self.batch_dim)
+
+    def _check_batch(self, x: torch.Tensor, dim: int = 0) -> int:
+        """Return the per-member batch size N of ``x`` along ``dim``."""
+        rows = x.shape[dim]
+        if rows % self.num_members:
+            raise FusionError(
+                f"{type(self).__name__}: input batch axis {dim} has {rows} rows, which is not a "
+                f"multiple of the {self.num_members} members"
+            )
+        return rows // self.num_members
+
+    def extra_repr(self) -> str:
+        return f"num_members={self.num_members}"

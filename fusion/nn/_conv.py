@@ -1,0 +1,123 @@
+"""Fused Conv1d/2d/3d and ConvTranspose1d/2d/3d as grouped convolutions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._errors import FusionError
+from ._base import FusedLayer, check_same_config, stack_param
+
+_CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T_FN = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _to_channels(x: torch.Tensor, b: int) -> torch.Tensor:
+    """[B*N, C, *S] (member-major rows) -> [N, B*C, *S] for one grouped conv."""
+    n = x.shape[0] // b
+    return x.reshape(b, n, *x.shape[1:]).transpose(0, 1).reshape(n, b * x.shape[1], *x.shape[2:])
+
+
+def _from_channels(y: torch.Tensor, b: int) -> torch.Tensor:
+    """[N, B*C, *S] -> [B*N, C, *S], the inverse of :func:`_to_channels`."""
+    n, bc = y.shape[:2]
+    c = bc // b
+    return y.reshape(n, b, c, *y.shape[2:]).transpose(0, 1).reshape(b * n, c, *y.shape[2:])
+
+
+class _ConvBase(FusedLayer):
+    """Shared code of fused convolutions: stacked ``[B, ...]`` weight and bias."""
+
+    transposed = False
+
+    def __init__(self, num_members: int, conv: nn.modules.conv._ConvNd) -> None:
+        super().__init__(num_members)
+        self.in_channels = conv.in_channels
+        self.out_channels = conv.out_channels
+        self.kernel_size = conv.kernel_size
+        self.stride = conv.stride
+        self.padding = conv.padding
+        self.dilation = conv.dilation
+        self.output_padding = conv.output_padding
+        self.groups = conv.groups
+        self.padding_mode = conv.padding_mode
+        self._reversed_padding_repeated_twice = conv._reversed_padding_repeated_twice
+        self.dims = len(conv.kernel_size)
+
+    @classmethod
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> _ConvBase:
+        check_same_config(members, path)
+        first = members[0]
+        assert isinstance(first, nn.modules.conv._ConvNd)
+        layer = cls(len(members), first)
+        layer.weight = stack_param([m.weight for m in members])
+        layer.bias = stack_param([m.bias for m in members])
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_members={self.num_members}, {self.in_channels}, {self.out_channels}, "
+            f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+        )
+
+
+class Conv(_ConvBase):
+    """B ``nn.ConvNd`` layers as one grouped convolution over ``B*C`` channels.
+
+    The member axis moves from the batch into the channel axis for the
+    convolution and back, so members never see each other's channels
+    (``groups`` is multiplied by B).
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dim() != self.dims + 2:
+            raise FusionError(f"fused Conv{self.dims}d expects a batched {self.dims + 2}-D input")
+        b = self.num_members
+        self._check_batch(input)
+        x = input
+        padding: tuple[int, ...] | str = self.padding
+        if self.padding_mode != "zeros":
+            # Same as torch: pad explicitly, then convolve without padding.
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = 0 if isinstance(self.padding, str) else (0,) * self.dims
+        w = self.weight.reshape(b * self.out_channels, *self.weight.shape[2:])
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        y = _CONV_FN[self.dims](
+            _to_channels(x, b), w, bias, self.stride, padding, self.dilation, self.groups * b
+        )
+        return _from_channels(y, b)
+
+
+class ConvTranspose(_ConvBase):
+    """B ``nn.ConvTransposeNd`` layers as one grouped transposed convolution."""
+
+    transposed = True
+
+    def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        if output_size is not None:
+            raise FusionError(
+                "fused ConvTranspose does not accept output_size; set output_padding on the layer"
+            )
+        if input.dim() != self.dims + 2:
+            raise FusionError(
+                f"fused ConvTranspose{self.dims}d expects a batched {self.dims + 2}-D input"
+            )
+        b = self.num_members
+        self._check_batch(input)
+        # Transposed weights are [in, out/groups, *k]; member blocks stack along "in".
+        w = self.weight.reshape(b * self.in_channels, *self.weight.shape[2:])
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        y = _CONV_T_FN[self.dims](
+            _to_channels(input, b),
+            w,
+            bias,
+            self.stride,
+            self.padding,
+            self.output_padding,
+            self.groups * b,
+            self.dilation,
+        )
+        return _from_channels(y, b)

@@ -1,0 +1,174 @@
+"""Fused BatchNorm (per-member statistics), LayerNorm and GroupNorm."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._errors import FusionError
+from ._base import FusedLayer, check_same_config, stack_buffer, stack_param
+
+
+class BatchNorm(FusedLayer):
+    """B ``nn.BatchNorm1d/2d/3d`` layers; statistics never mix members.
+
+    Running statistics are ``[B, C]`` buffers. The normalisation itself is one
+    ``F.batch_norm`` over ``B*C`` channels of the input with the member axis
+    moved next to the channels, so batch statistics, the unbiased running
+    variance update and the eval path are exactly torch's own kernels.
+    ``momentum`` may differ per member; ``momentum=None`` (cumulative average)
+    is kept per member too, since members added later have seen fewer batches.
+    """
+
+    per_member_attrs = frozenset({"momentum"})
+
+    def __init__(self, num_members: int, bn: nn.modules.batchnorm._BatchNorm) -> None:
+        super().__init__(num_members)
+        self.num_features = bn.num_features
+        self.eps = bn.eps
+        self.affine = bn.affine
+        self.track_running_stats = bn.track_running_stats
+        self.momentum: list[float | None] = [bn.momentum] * num_members
+        self._min_dim = 2 if isinstance(bn, nn.BatchNorm1d) else (4 if isinstance(bn, nn.BatchNorm2d) else 5)
+
+    @classmethod
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> BatchNorm:
+        check_same_config(members, path, ignore=cls.per_member_attrs)
+        first = members[0]
+        assert isinstance(first, nn.modules.batchnorm._BatchNorm)
+        layer = cls(len(members), first)
+        layer.momentum = [m.momentum for m in members]  # type: ignore[misc]
+        layer.weight = stack_param([m.weight for m in members])
+        layer.bias = stack_param([m.bias for m in members])
+        layer.register_buffer("running_mean", stack_buffer([m.running_mean for m in members]))
+        layer.register_buffer("running_var", stack_buffer([m.running_var for m in members]))
+        layer.register_buffer(
+            "num_batches_tracked", stack_buffer([m.num_batches_tracked for m in members])
+        )
+        return layer
+
+    def select_members(self, index: list[int]) -> None:
+        super().select_members(index)
+        self.momentum = [self.momentum[i] for i in index]
+
+    def append_members(self, other: FusedLayer) -> None:
+        super().append_members(other)
+        assert isinstance(other, BatchNorm)
+        self.momentum = self.momentum + other.momentum
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dim() not in (self._min_dim - 1, self._min_dim) or input.dim() < 2:
+            raise FusionError(f"fused BatchNorm got an input of unexpected rank {input.dim()}")
+        b = self.num_members
+        n = self._check_batch(input)
+        c = self.num_features
+        update = self.training and self.track_running_stats
+        factors: list[float] | None = None
+        if update and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if any(m is None for m in self.momentum):
+                counts = self.num_batches_tracked.tolist()
+                factors = [1.0 / float(k) if m is None else m for m, k in zip(self.momentum, counts)]
+            else:
+                factors = [float(m) for m in self.momentum]  # type: ignore[arg-type]
+        elif update:
+            factors = [0.0 if m is None else float(m) for m in self.momentum]
+        use_batch_stats = self.training or self.running_mean is None
+        # [B*N, C, *S] -> [N, B*C, *S]: one normalisation over all members' channels.
+        x = input.reshape(b, n, c, *input.shape[2:]).transpose(0, 1).reshape(n, b * c, *input.shape[2:])
+        weight = None if self.weight is None else self.weight.reshape(-1)
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        running_mean = running_var = None
+        if self.running_mean is not None and (not self.training or self.track_running_stats):
+            running_mean = self.running_mean.view(-1)
+            running_var = self.running_var.view(-1)
+        uniform = factors is None or all(f == factors[0] for f in factors)
+        if not update or uniform:
+            y = F.batch_norm(
+                x, running_mean, running_var, weight, bias, use_batch_stats,
+                0.0 if factors is None else factors[0], self.eps,
+            )
+        else:
+            # Per-member momentum: let the kernel write the batch statistics into
+            # scratch buffers (momentum 1), then blend each member with its own factor.
+            assert running_mean is not None and running_var is not None and factors is not None
+            batch_mean = torch.empty_like(running_mean)
+            batch_var = torch.empty_like(running_var)
+            y = F.batch_norm(x, batch_mean, batch_var, weight, bias, True, 1.0, self.eps)
+            with torch.no_grad():
+                f = torch.tensor(factors, dtype=running_mean.dtype, device=running_mean.device)
+                f = f.repeat_interleave(c)
+                running_mean.mul_(1 - f).add_(batch_mean * f)
+                running_var.mul_(1 - f).add_(batch_var * f)
+        return y.reshape(n, b, c, *input.shape[2:]).transpose(0, 1).reshape(input.shape)
+
+
+class LayerNorm(FusedLayer):
+    """B ``nn.LayerNorm`` layers: one normalisation, per-member affine."""
+
+    needs_batch_probe = True
+
+    def __init__(self, num_members: int, ln: nn.LayerNorm) -> None:
+        super().__init__(num_members)
+        self.normalized_shape = tuple(ln.normalized_shape)
+        self.eps = ln.eps
+        self.elementwise_affine = ln.elementwise_affine
+
+    @classmethod
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> LayerNorm:
+        check_same_config(members, path)
+        first = members[0]
+        assert isinstance(first, nn.LayerNorm)
+        layer = cls(len(members), first)
+        layer.weight = stack_param([m.weight for m in members])
+        layer.bias = stack_param([m.bias for m in members])
+        return layer
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = self._to_front(input)
+        self._check_batch(x)
+        b = self.num_members
+        xv = x.reshape(b, -1, *self.normalized_shape)
+        y = F.layer_norm(xv, self.normalized_shape, None, None, self.eps)
+        if self.weight is not None:
+            y = y * self.weight.reshape(b, 1, *self.normalized_shape)
+        if self.bias is not None:
+            y = y + self.bias.reshape(b, 1, *self.normalized_shape)
+        return self._from_front(y.reshape(x.shape))
+
+
+class GroupNorm(FusedLayer):
+    """B ``nn.GroupNorm`` layers: one per-sample normalisation, per-member affine."""
+
+    def __init__(self, num_members: int, gn: nn.GroupNorm) -> None:
+        super().__init__(num_members)
+        self.num_groups = gn.num_groups
+        self.num_channels = gn.num_channels
+        self.eps = gn.eps
+        self.affine = gn.affine
+
+    @classmethod
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> GroupNorm:
+        check_same_config(members, path)
+        first = members[0]
+        assert isinstance(first, nn.GroupNorm)
+        layer = cls(len(members), first)
+        layer.weight = stack_param([m.weight for m in members])
+        layer.bias = stack_param([m.bias for m in members])
+        return layer
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_batch(input)
+        b = self.num_members
+        y = F.group_norm(input, self.num_groups, None, None, self.eps)
+        if self.weight is None:
+            return y
+        spatial = (1,) * (input.dim() - 2)
+        yv = y.reshape(b, -1, self.num_channels, *input.shape[2:])
+        yv = yv * self.weight.reshape(b, 1, self.num_channels, *spatial)
+        if self.bias is not None:
+            yv = yv + self.bias.reshape(b, 1, self.num_channels, *spatial)
+        return yv.reshape(input.shape)

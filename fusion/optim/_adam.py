@@ -1,0 +1,124 @@
+"""Fused Adam and AdamW, twins of ``torch.optim.Adam``/``AdamW``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ._base import FusedOptimizer
+
+Num = float | Sequence[float]
+Betas = tuple[float, float] | Sequence[tuple[float, float]]
+
+
+class Adam(FusedOptimizer):
+    """``torch.optim.Adam`` for B members at once.
+
+    ``lr``, ``eps``, ``weight_decay`` are scalars or length-B sequences;
+    ``betas`` is a pair or a sequence of B pairs. Step counters are per member
+    so that bias correction stays exact for members added later.
+    """
+
+    member_hparams = ("lr", "eps", "weight_decay")
+    pair_hparams = ("betas",)
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Num = 1e-3,
+        betas: Betas = (0.9, 0.999),
+        eps: Num = 1e-8,
+        weight_decay: Num = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        for lr in group["lr"]:
+            if lr < 0.0:
+                raise ValueError(f"Invalid learning rate: {lr}")
+        for eps in group["eps"]:
+            if eps < 0.0:
+                raise ValueError(f"Invalid epsilon value: {eps}")
+        for b1, b2 in group["betas"]:
+            if not 0.0 <= b1 < 1.0 or not 0.0 <= b2 < 1.0:
+                raise ValueError(f"Invalid beta parameters: {(b1, b2)}")
+        for wd in group["weight_decay"]:
+            if wd < 0.0:
+                raise ValueError(f"Invalid weight_decay value: {wd}")
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Perform one optimisation step for every member."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lrs, wds, epss = group["lr"], group["weight_decay"], group["eps"]
+            beta1 = [b[0] for b in group["betas"]]
+            beta2 = [b[1] for b in group["betas"]]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = self._new_step(p)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                grad = -p.grad if group["maximize"] else p.grad
+                state["step"].add_(1)
+                steps = state["step"].tolist()
+                if any(w != 0 for w in wds):
+                    if self._decoupled:
+                        p.mul_(self._hp([1 - lr * wd for lr, wd in zip(lrs, wds)], p))
+                    else:
+                        grad = grad + self._hp(wds, p) * p
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.lerp_(grad, self._hp([1 - b for b in beta1], p))
+                exp_avg_sq.mul_(self._hp(beta2, p)).addcmul_(grad, grad * self._hp([1 - b for b in beta2], p))
+                # Bias corrections in float64 on the host, as torch computes them.
+                step_size = [lr / (1 - b1**s) for lr, b1, s in zip(lrs, beta1, steps)]
+                bc2_sqrt = [math.sqrt(1 - b2**s) for b2, s in zip(beta2, steps)]
+                if group["amsgrad"]:
+                    torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
+                    second = state["max_exp_avg_sq"]
+                else:
+                    second = exp_avg_sq
+                denom = (second.sqrt() / self._hp(bc2_sqrt, p)).add_(self._hp(epss, p))
+                p.add_(exp_avg / denom * self._hp([-s for s in step_size], p))
+        return loss
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW`` (decoupled weight decay) for B members at once."""
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Num = 1e-3,
+        betas: Betas = (0.9, 0.999),
+        eps: Num = 1e-8,
+        weight_decay: Num = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize,
+        )

@@ -1,0 +1,191 @@
+"""Base class of fused optimizers: per-member hyper-parameters and state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import weakref
+
+import torch
+from torch.optim import Optimizer
+
+from .._errors import FusionError
+
+
+def expand_member_value(name: str, value: Any, b: int, pair: bool = False) -> list[Any]:
+    """Expand a scalar (or a pair, for ``pair=True``) to B values; check lengths.
+
+    Raises ``ValueError`` naming the hyper-parameter for a wrong-length list.
+    """
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if pair:
+        if isinstance(value, (list, tuple)) and len(value) == 2 and not isinstance(value[0], (list, tuple)):
+            return [tuple(float(v) for v in value)] * b
+        if isinstance(value, (list, tuple)):
+            if len(value) != b or not all(isinstance(v, (list, tuple)) and len(v) == 2 for v in value):
+                raise ValueError(
+                    f"{name}: expected a pair or a sequence of {b} pairs (one per member), got {value!r}"
+                )
+            return [tuple(float(x) for x in v) for v in value]
+        raise ValueError(f"{name}: expected a pair or a sequence of {b} pairs, got {value!r}")
+    if isinstance(value, (list, tuple)):
+        if len(value) != b:
+            raise ValueError(
+                f"{name}: expected a scalar or a sequence of length {b} (one per member), "
+                f"got length {len(value)}"
+            )
+        return [float(v) for v in value]
+    return [float(value)] * b
+
+
+class FusedOptimizer(Optimizer):
+    """A ``torch.optim.Optimizer`` over fused parameters ``[B, ...]``.
+
+    Each name in ``member_hparams`` is stored in every param group as a list
+    of B floats (``pair_hparams``: B pairs), so the group stays picklable and
+    ``state_dict``/``load_state_dict`` work unchanged. Per-member state
+    tensors have the member axis first, like the parameters; step counters
+    are ``[B]`` tensors because members added later start at step 0.
+    """
+
+    member_hparams: ClassVar[tuple[str, ...]] = ("lr",)
+    pair_hparams: ClassVar[tuple[str, ...]] = ()
+    #: State entries holding one value per member element (sliced on removal).
+    #: Everything in a param's state has the member axis first.
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        params = list(params)
+        self.num_members = self._infer_members(params)
+        self._hp_cache: dict[tuple[Any, ...], torch.Tensor] = {}
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _infer_members(params: list[Any]) -> int:
+        for item in params:
+            tensors = item["params"] if isinstance(item, dict) else [item]
+            if isinstance(tensors, torch.Tensor):
+                tensors = [tensors]
+            for t in tensors:
+                if t.dim() < 1:
+                    raise FusionError("fused optimizers need fused parameters with a member axis")
+                return int(t.shape[0])
+        raise ValueError("optimizer got an empty parameter list")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        b = self.num_members
+        params = param_group["params"]
+        tensors = [params] if isinstance(params, torch.Tensor) else list(params)
+        for t in tensors:
+            if t.dim() < 1 or t.shape[0] != b:
+                raise FusionError(
+                    f"parameter of shape {tuple(t.shape)} has no leading member axis of size {b}"
+                )
+        for key in self.member_hparams:
+            value = param_group.get(key, self.defaults.get(key))
+            param_group[key] = expand_member_value(key, value, b)
+        for key in self.pair_hparams:
+            value = param_group.get(key, self.defaults.get(key))
+            param_group[key] = expand_member_value(key, value, b, pair=True)
+        for key, value in self.defaults.items():
+            param_group.setdefault(key, value)
+        self._validate_group(param_group)
+        super().add_param_group(param_group)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Check value ranges like the torch twin does (per member)."""
+
+    # ------------------------------------------------------------------ helpers
+    def _hp(self, values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+        """``values`` as a tensor broadcastable against ``like`` (member axis first)."""
+        key = (tuple(values), like.dtype, like.device, like.dim())
+        t = self._hp_cache.get(key)
+        if t is None:
+            if len(self._hp_cache) > 4096:
+                self._hp_cache.clear()
+            t = torch.tensor(list(values), dtype=like.dtype, device=like.device)
+            t = t.view(-1, *([1] * (like.dim() - 1)))
+            self._hp_cache[key] = t
+        return t
+
+    def _new_step(self, p: torch.Tensor) -> torch.Tensor:
+        # torch keeps float32 step counters on CPU; one per member here.
+        return torch.zeros(self.num_members, dtype=torch.float32)
+
+    # ------------------------------------------------------------------ membership
+    def remove_members(self, indices: Sequence[int]) -> None:
+        """Drop members ``indices`` from hyper-parameters and state.
+
+        Call together with :meth:`fusion.FusedModel.remove_members`.
+        """
+        drop = {int(i) for i in indices}
+        keep = [i for i in range(self.num_members) if i not in drop]
+        if not keep or any(not 0 <= i < self.num_members for i in drop):
+            raise FusionError(f"invalid member indices {sorted(drop)} for {self.num_members} members")
+        for group in self.param_groups:
+            for key in self._per_member_keys(group):
+                group[key] = [group[key][i] for i in keep]
+        for p, state in self.state.items():
+            for k, v in list(state.items()):
+                if isinstance(v, torch.Tensor) and v.dim() >= 1:
+                    state[k] = v.index_select(0, torch.tensor(keep, device=v.device))
+        self.num_members = len(keep)
+        self._hp_cache.clear()
+        # Per-member views and schedulers (fusion.lr_scheduler) follow the removal.
+        views = self.__dict__.get("_member_views")
+        if views is not None:
+            self.__dict__["_member_views"] = [views[i] for i in keep if i < len(views)]
+        for ref in list(self.__dict__.get("_membership_listeners", [])):
+            listener = ref()
+            if listener is not None:
+                listener(keep)
+
+    def add_members(self, count: int = 1, **hparams: Any) -> None:
+        """Append ``count`` new members with fresh state.
+
+        Hyper-parameters of the new members are given as keywords (a scalar
+        or a sequence of ``count``); unspecified ones take the constructor
+        defaults. Call after :meth:`fusion.FusedModel.add_members`.
+        """
+        if count < 1:
+            raise FusionError("add_members needs count >= 1")
+        unknown = set(hparams) - set(self.member_hparams) - set(self.pair_hparams)
+        if unknown:
+            raise FusionError(f"unknown per-member hyper-parameters {sorted(unknown)}")
+        for group in self.param_groups:
+            new: dict[str, list[Any]] = {}
+            for key in self.member_hparams:
+                new[key] = expand_member_value(key, hparams.get(key, self.defaults[key]), count)
+            for key in self.pair_hparams:
+                new[key] = expand_member_value(key, hparams.get(key, self.defaults[key]), count, pair=True)
+            self._validate_group({**group, **new})
+            for key, values in new.items():
+                group[key] = list(group[key]) + values
+            # Schedulers record these; a new member starts from its own lr.
+            if "initial_lr" in group:
+                group["initial_lr"] = list(group["initial_lr"]) + new["lr"]
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                for k, v in list(state.items()):
+                    if isinstance(v, torch.Tensor) and v.dim() >= 1:
+                        fresh = self._fresh_state(k, v, count, new)
+                        state[k] = torch.cat([v, fresh])
+        self.num_members += count
+        self._hp_cache.clear()
+
+    def add_membership_listener(self, method: Any) -> None:
+        """Call bound ``method(keep)`` after :meth:`remove_members` (held weakly)."""
+        self.__dict__.setdefault("_membership_listeners", []).append(weakref.WeakMethod(method))
+
+    def _per_member_keys(self, group: dict[str, Any]) -> list[str]:
+        keys = list(self.member_hparams) + list(self.pair_hparams)
+        if "initial_lr" in group:
+            keys.append("initial_lr")
+        return keys
+
+    def _fresh_state(self, key: str, value: torch.Tensor, count: int, new: dict[str, list[Any]]) -> torch.Tensor:
+        """State of ``count`` new members for entry ``key`` (zeros by default)."""
+        return torch.zeros((count, *value.shape[1:]), dtype=value.dtype, device=value.device)
