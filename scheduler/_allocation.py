@@ -167,7 +167,9 @@ def equal_share_utilities(p: AllocationProblem) -> tuple[np.ndarray, np.ndarray,
     y[cls, typ] = sol
     e = _utility_matrix(p, cls, typ) @ sol
     served = (p.members * y).sum(axis=1)
-    unmet = p.demand - served > 1e-6 * np.maximum(1.0, p.demand)
+    runnable = np.zeros(p.n_classes, dtype=bool)
+    runnable[cls] = True  # a class that fits no device type cannot want more devices
+    unmet = runnable & (p.demand - served > 1e-6 * np.maximum(1.0, p.demand))
     saturated[p.class_tenant[unmet]] = False
     return e, y, saturated, secs
 
@@ -195,7 +197,7 @@ def _max_min(p: AllocationProblem, cls: np.ndarray, typ: np.ndarray, e: np.ndarr
         fz = tenants[frozen[tenants]]
         if fz.size:
             rows.append(sparse.hstack([-u_mat[fz], sparse.csr_matrix((fz.size, 1))]))
-            rhs.append(-(level[fz] * e[fz]) * (1 - 1e-6))
+            rhs.append(-(level[fz] * e[fz]) * (1 - 1e-8))
         obj = np.zeros(n + 1)
         obj[-1] = -1.0
         sol, s = _linprog(obj, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
@@ -220,7 +222,7 @@ def _max_min(p: AllocationProblem, cls: np.ndarray, typ: np.ndarray, e: np.ndarr
     # Efficiency stage: use leftover capacity without lowering anyone's fair level.
     lv = np.maximum(level[tenants], 0.0)
     a = sparse.vstack([base_a, -u_mat[tenants]]).tocsr()
-    b = np.concatenate([base_b, -(lv * e[tenants]) * (1 - 1e-6)])
+    b = np.concatenate([base_b, -(lv * e[tenants]) * (1 - 1e-8)])
     sol, s = _linprog(-np.asarray(u_mat.sum(axis=0)).ravel(), a, b)
     secs += s
     return (sol if sol is not None else x), secs
@@ -261,6 +263,9 @@ def _oef(
             pi_g = np.repeat(pi, G)
             pj_g = np.repeat(pj, G)
             gg = np.tile(np.arange(G), pi.size)
+            # A type the envier cannot use at all is worthless to it under any valuation.
+            usable = value[pi_g, gg] > 0
+            pi_g, pj_g, gg = pi_g[usable], pj_g[usable], gg[usable]
             m = pi_g.size
             coef = sparse.csr_matrix(
                 (

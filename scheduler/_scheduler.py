@@ -256,18 +256,19 @@ class Scheduler:
             placements.append(Placement(d.device_id, p.signature, p.tenant, tuple(ids), math.inf))
             used.add(d.device_id)
         free = [d for d in devices if d.device_id not in used]
-        fi = 0
         for t in waiting:
-            if fi >= len(free):
+            if not free:
                 break
             if t.trial_id in taken:
                 continue
-            d = free[fi]
-            b = self._members(t.signature, d.device_type, d.memory_bytes)
-            if b < 1:
+            # First free device (in device order, type-blind) that the trial fits on.
+            fit = next((d for d in free if self._members(t.signature, d.device_type, d.memory_bytes) >= 1), None)
+            if fit is None:
                 continue
+            free.remove(fit)
+            b = self._members(t.signature, fit.device_type, fit.memory_bytes)
             queue = queue_by_class[(t.tenant, t.signature)]
-            ids = []
+            ids: list[int] = []
             for i in queue:
                 if len(ids) >= b:
                     break
@@ -275,8 +276,7 @@ class Scheduler:
                     taken.add(i)
                     ids.append(i)
             queue_by_class[(t.tenant, t.signature)] = [i for i in queue if i not in taken]
-            placements.append(Placement(d.device_id, t.signature, t.tenant, tuple(ids), math.inf))
-            fi += 1
+            placements.append(Placement(fit.device_id, t.signature, t.tenant, tuple(ids), math.inf))
         return placements
 
     def _round(

@@ -32,6 +32,7 @@ __all__ = ["SpeedupCurve", "ThroughputModel", "DEFAULT_MARGINAL_COST"]
 
 DEFAULT_MARGINAL_COST = 0.5
 _MIN_MARGINAL_COST = 1e-3  # keeps T(B) finite; no fused kernel is literally free
+_MIN_MARGINAL_GAIN = 0.05  # an extra member must add >= 5% of a solo model's throughput
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class SpeedupCurve:
 
     def memory_cap(self, memory_bytes: int) -> int:
         """Largest B whose arrays fit in ``memory_bytes`` (a large number if unknown)."""
+        if self.base_bytes > memory_bytes:
+            return 0
         if self.member_bytes <= 0:
             return 1 << 30
         return max(0, (memory_bytes - self.base_bytes) // self.member_bytes)
@@ -141,7 +144,8 @@ class ThroughputModel:
         """Choose B for ``signature`` on a device: the fusion engine's sizing rule.
 
         The largest B <= ``max_members`` that fits in memory and keeps every member at
-        least ``min_member_efficiency`` of its solo speed.  Fusing "does not pay" on a
+        least ``min_member_efficiency`` of its solo speed, while each added member still
+        adds at least 5% of a solo model's throughput.  Fusing "does not pay" on a
         device when that is B = 1 (c close to 1: the solo model already saturates it); it
         is 0 when not even one model fits.
         """
@@ -153,5 +157,7 @@ class ThroughputModel:
         for b in range(2, cap + 1):
             if curve.member_efficiency(b) + 1e-12 < min_member_efficiency:
                 break
+            if curve.rate(b) - curve.rate(b - 1) < _MIN_MARGINAL_GAIN * curve.solo_steps_per_s:
+                break  # one more member would barely add throughput: not worth slowing the rest
             best = b
         return best

@@ -1,0 +1,234 @@
+"""Property and behaviour tests of the round-based scheduler and its fairness LPs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler import (
+    Decision,
+    Device,
+    PendingTrial,
+    Placement,
+    Scheduler,
+    SpeedupCurve,
+    Tenant,
+    ThroughputModel,
+    make_scheduler,
+)
+
+TYPES = ("k80", "p100", "v100")
+FAIR = ("gavel", "oef", "oef-noncooperative", "fusetune")
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[list[PendingTrial], list[Device], list[Tenant], ThroughputModel]:
+    """Random small clusters, tenants, signatures, curves (with memory limits) and trials."""
+    n_types = draw(st.integers(1, 3))
+    devices = [
+        Device(f"d{i}", TYPES[draw(st.integers(0, n_types - 1))], memory_bytes=draw(st.sampled_from([8, 16])))
+        for i in range(draw(st.integers(1, 7)))
+    ]
+    tenants = [Tenant(f"t{i}", draw(st.sampled_from([1.0, 2.0, 3.0]))) for i in range(draw(st.integers(1, 4)))]
+    sigs = [f"s{i}" for i in range(draw(st.integers(1, 3)))]
+    model = ThroughputModel()
+    for s in sigs:
+        for g in TYPES:
+            model.set_curve(
+                s,
+                g,
+                SpeedupCurve(
+                    draw(st.sampled_from([0.5, 1.0, 2.0, 4.0])),
+                    draw(st.sampled_from([0.05, 0.2, 0.6, 1.0])),
+                    base_bytes=draw(st.sampled_from([0, 2, 10])),
+                    member_bytes=draw(st.sampled_from([0, 1, 3])),
+                ),
+            )
+    trials = [
+        PendingTrial(
+            i,
+            draw(st.sampled_from(sigs)),
+            draw(st.sampled_from(tenants)).name,
+            priority=draw(st.sampled_from([0.0, 1.0])),
+            remaining_epochs=draw(st.integers(1, 3)),
+        )
+        for i in range(draw(st.integers(0, 25)))
+    ]
+    return trials, devices, tenants, model
+
+
+def _check_invariants(
+    sched: Scheduler, decision: Decision, trials: list[PendingTrial], devices: list[Device]
+) -> None:
+    by_id = {t.trial_id: t for t in trials}
+    dev = {d.device_id: d for d in devices}
+    seen_devices: set[str] = set()
+    seen_trials: set[int] = set()
+    for p in decision.placements:
+        # No device over capacity: one array per device, members within memory and cap.
+        assert p.device_id not in seen_devices
+        seen_devices.add(p.device_id)
+        d = dev[p.device_id]
+        assert 1 <= len(p.trial_ids) <= max(1, sched._members(p.signature, d.device_type, d.memory_bytes))
+        curve = sched.throughput.curve(p.signature, d.device_type)
+        assert curve.base_bytes + curve.member_bytes * len(p.trial_ids) <= d.memory_bytes
+        # Only equal signatures (and one tenant) share an array; a trial runs once.
+        for i in p.trial_ids:
+            assert by_id[i].signature == p.signature and by_id[i].tenant == p.tenant
+            assert i not in seen_trials
+            seen_trials.add(i)
+    # Work conservation: no idle device while a waiting trial fits on it.
+    waiting = [t for t in trials if t.trial_id not in seen_trials]
+    for d in devices:
+        if d.device_id not in seen_devices:
+            assert all(sched._members(t.signature, d.device_type, d.memory_bytes) < 1 for t in waiting)
+
+
+def _advance(trials: list[PendingTrial], decision: Decision) -> list[PendingTrial]:
+    """Every placed trial trains one epoch; finished trials leave."""
+    placed = {i for p in decision.placements for i in p.trial_ids}
+    out = []
+    for t in trials:
+        left = t.remaining_epochs - (t.trial_id in placed)
+        if left > 0:
+            out.append(PendingTrial(t.trial_id, t.signature, t.tenant, t.study_id, t.priority, left))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances(), policy=st.sampled_from(("fifo", "fusion-greedy", *FAIR)))
+def test_invariants_and_no_starvation(inst, policy: str) -> None:
+    trials, devices, tenants, model = inst
+    sched = make_scheduler(policy, model, max_members=6, lease_seconds=2.0)
+    runnable = [
+        t for t in trials
+        if any(sched._members(t.signature, d.device_type, d.memory_bytes) >= 1 for d in devices)
+    ]
+    # Every round places at least one array while work remains, so all runnable trials
+    # finish within the total number of epochs: nobody starves.
+    budget = sum(t.remaining_epochs for t in runnable) + 1
+    running: tuple[Placement, ...] = ()
+    live = list(runnable)
+    for rnd in range(budget):
+        if not live:
+            break
+        decision = sched.decide(float(rnd), live, devices, tenants, running)
+        _check_invariants(sched, decision, live, devices)
+        assert decision.placements, "work remains but nothing was placed"
+        live = _advance(live, decision)
+        running = decision.placements
+    assert not live, f"trials starved: {[t.trial_id for t in live]}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances(), policy=st.sampled_from(FAIR))
+def test_sharing_incentive_and_envy_freeness(inst, policy: str) -> None:
+    trials, devices, tenants, model = inst
+    sched = make_scheduler(policy, model, max_members=6)
+    decision = sched.decide(0.0, trials, devices, tenants)
+    alloc = decision.allocation
+    assert alloc is not None
+    u, e = alloc.utility, alloc.equal_share
+    # Sharing incentive: every tenant with work gets at least its weighted equal share.
+    assert np.all(u >= e - 1e-5 * np.maximum(1.0, e))
+    if policy in ("oef", "oef-noncooperative", "fusetune"):
+        names = [t.name for t in tenants]
+        weights = np.array([t.weight for t in tenants])
+        x = alloc.devices
+        owner = np.array([names.index(t) for t, _ in decision.classes], dtype=int)
+        n_t, n_g = len(names), len(decision.device_types)
+        bundle = np.zeros((n_t, n_g))
+        value = np.zeros((n_t, n_g))
+        rate = sched.problem(
+            decision.classes,
+            [sum(1 for tr in trials if (tr.tenant, tr.signature) == c) for c in decision.classes],
+            devices,
+            {t.name: t.weight for t in tenants},
+        )[0].rate
+        for ci in range(len(decision.classes)):
+            bundle[owner[ci]] += x[ci]
+            value[owner[ci]] = np.maximum(value[owner[ci]], rate[ci])
+        active = np.zeros(n_t, dtype=bool)
+        active[owner] = True
+        for i in np.flatnonzero(active & ~alloc.saturated):
+            own = value[i] @ bundle[i] / weights[i]
+            for j in np.flatnonzero(active):
+                if policy == "oef-noncooperative":
+                    usable = value[i] > 0
+                    assert np.all(bundle[i, usable] / weights[i] >= bundle[j, usable] / weights[j] - 1e-6)
+                assert own >= value[i] @ bundle[j] / weights[j] - 1e-6 * max(1.0, own)
+
+
+def test_weighted_tenants_share_in_proportion() -> None:
+    devices = [Device(f"cpu{i}", "cpu") for i in range(6)]
+    tenants = [Tenant("a", 2.0), Tenant("b", 1.0)]
+    trials = [PendingTrial(i, "s", "a" if i < 50 else "b", remaining_epochs=100) for i in range(100)]
+    for policy in ("gavel", "oef", "fusetune"):
+        sched = make_scheduler(policy, ThroughputModel(prior_marginal_cost=1.0))
+        held = {"a": 0, "b": 0}
+        running: tuple[Placement, ...] = ()
+        for rnd in range(30):
+            d = sched.decide(float(rnd * 10), trials, devices, tenants, running)
+            running = d.placements
+            for p in d.placements:
+                held[p.tenant] += 1
+        assert held["a"] == 2 * held["b"], (policy, held)
+
+
+def test_light_tenant_not_starved_by_flood() -> None:
+    devices = [Device(f"g{i}", "v100") for i in range(2)]
+    tenants = [Tenant("heavy"), Tenant("light")]
+    sched = make_scheduler("fusetune", ThroughputModel(prior_marginal_cost=1.0), lease_seconds=100.0)
+    trials = [PendingTrial(i, "s", "heavy", remaining_epochs=50) for i in range(10)]
+    d = sched.decide(0.0, trials, devices, tenants)
+    assert {p.tenant for p in d.placements} == {"heavy"}
+    trials.append(PendingTrial(99, "s", "light", remaining_epochs=5))
+    placed_at = None
+    running = d.placements
+    for rnd in range(1, 5):
+        d = sched.decide(rnd * 60.0, trials, devices, tenants, running)
+        running = d.placements
+        if any(99 in p.trial_ids for p in d.placements):
+            placed_at = rnd * 60.0
+            break
+    # It waits for the heavy tenant's lease (100 s) but no longer.
+    assert placed_at == 120.0
+
+
+def test_leases_avoid_needless_preemption_and_fusion_refills() -> None:
+    model = ThroughputModel()
+    model.set_curve("s", "v100", SpeedupCurve(1.0, 0.1))
+    sched = make_scheduler("fusetune", model, max_members=4)
+    devices = [Device("g0", "v100")]
+    trials = [PendingTrial(i, "s", "a", remaining_epochs=3) for i in range(6)]
+    d1 = sched.decide(0.0, trials, devices, [Tenant("a")])
+    assert [p.trial_ids for p in d1.placements] == [(0, 1, 2, 3)]
+    # Trial 1 finished: the array keeps its device and lease, and refills the slot.
+    d2 = sched.decide(400.0, [t for t in trials if t.trial_id != 1], devices, [Tenant("a")], d1.placements)
+    assert [p.trial_ids for p in d2.placements] == [(0, 2, 3, 4)]
+    assert d2.preempted == () and d2.started == d2.placements
+
+
+def test_heterogeneity_fast_device_goes_to_who_gains_most() -> None:
+    model = ThroughputModel()
+    for g, speed in (("k80", 1.0), ("v100", 1.0)):
+        model.set_curve("flat", g, SpeedupCurve(speed, 1.0))
+    model.set_curve("steep", "k80", SpeedupCurve(1.0, 1.0))
+    model.set_curve("steep", "v100", SpeedupCurve(8.0, 1.0))
+    devices = [Device("k", "k80"), Device("v", "v100")]
+    trials = [PendingTrial(0, "flat", "a"), PendingTrial(1, "steep", "b")]
+    d = make_scheduler("gavel", model).decide(0.0, trials, devices, [Tenant("a"), Tenant("b")])
+    assert {p.device_id: p.tenant for p in d.placements} == {"k": "a", "v": "b"}
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_scheduler("nope")
+    with pytest.raises(ValueError, match="max_members"):
+        Scheduler(max_members=0)
+    with pytest.raises(ValueError, match="weight"):
+        Tenant("x", 0.0)
+    with pytest.raises(ValueError, match="duplicate"):
+        make_scheduler("fifo").decide(0.0, [PendingTrial(1, "s"), PendingTrial(1, "s")], [Device("d", "cpu")], [])

@@ -1,0 +1,59 @@
+"""Tests for the fused-array throughput model and the array sizing rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import SpeedupCurve, ThroughputModel
+
+
+def test_curve_matches_hfta_calibration_points() -> None:
+    # PointNet on V100: about 5x at B=9 -> c = 0.1; on A100: about 13x at B=25 -> c = 1/26.
+    assert SpeedupCurve(1.0, 0.1).rate(9) == pytest.approx(5.0)
+    assert SpeedupCurve(1.0, 1 / 26).rate(25) == pytest.approx(13.0, rel=1e-3)
+    assert SpeedupCurve(2.0, 1.0).rate(8) == pytest.approx(2.0)  # c = 1: fusing never pays
+
+
+def test_prior_is_documented_default() -> None:
+    model = ThroughputModel(prior_solo={"v100": 3.0})
+    assert model.curve("sig", "v100") == SpeedupCurve(3.0, 0.5)
+    assert model.curve("sig", "unknown").solo_steps_per_s == 1.0
+
+
+def test_observe_learns_solo_then_marginal_cost() -> None:
+    model = ThroughputModel(smoothing=1.0)
+    model.observe("s", "v100", 1, 10.0)
+    assert model.curve("s", "v100").solo_steps_per_s == pytest.approx(10.0)
+    model.observe("s", "v100", 9, 50.0)  # 5x at B=9 -> c = 0.1
+    assert model.curve("s", "v100").marginal_cost == pytest.approx(0.1)
+    assert model.rate("s", "v100", 9) == pytest.approx(50.0)
+
+
+def test_observe_smooths_and_rejects_garbage() -> None:
+    model = ThroughputModel(smoothing=0.5)
+    model.observe("s", "k80", 1, 4.0)
+    model.observe("s", "k80", 1, 8.0)
+    assert model.curve("s", "k80").solo_steps_per_s == pytest.approx(6.0)
+    with pytest.raises(ValueError):
+        model.observe("s", "k80", 0, 1.0)
+    with pytest.raises(ValueError):
+        model.observe("s", "k80", 2, float("nan"))
+
+
+def test_array_size_rule_memory_and_efficiency() -> None:
+    model = ThroughputModel()
+    model.set_curve("small", "v100", SpeedupCurve(1.0, 0.1, base_bytes=1_000, member_bytes=1_000))
+    model.set_curve("big", "v100", SpeedupCurve(1.0, 1.0))
+    # eta(B) = 1/(1 + 0.1 (B-1)) >= 0.5  <=>  B <= 11.
+    assert model.array_size("small", "v100", 10**9, 64, 0.5) == 11
+    assert model.array_size("small", "v100", 6_000, 64, 0.5) == 5  # memory binds
+    assert model.array_size("small", "v100", 500, 64, 0.5) == 0  # not even one fits
+    assert model.array_size("big", "v100", 10**9, 64, 0.5) == 1  # fusing does not pay
+    assert model.array_size("small", "v100", 10**9, 4, 0.5) == 4  # hard cap
+
+
+def test_invalid_model_arguments() -> None:
+    with pytest.raises(ValueError):
+        ThroughputModel(smoothing=0.0)
+    with pytest.raises(ValueError):
+        ThroughputModel(prior_marginal_cost=1.5)
