@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._errors import FusionError
-from .nn import TWINS, FusedLayer
+from .nn import TWINS, FusedLayer, pin_composable_paths
 from .nn._base import check_same_config
 
 
@@ -105,6 +105,7 @@ def _build_fused_tree(models: Sequence[nn.Module]) -> nn.Module:
             else:
                 check_plain(cpath, members)
                 visit(cpath, child)
+                pin_composable_paths(child)
 
     if type(root) in TWINS:
         # A bare layer: wrap it so the swap has a parent to live in.
@@ -114,6 +115,7 @@ def _build_fused_tree(models: Sequence[nn.Module]) -> nn.Module:
         )
     check_plain("", list(models))
     visit("", root)
+    pin_composable_paths(root)
     return root
 
 
@@ -272,8 +274,9 @@ class FusedModel(nn.Module):
             axis = _batch_axis(o1.shape, o2.shape)
             if axis is None:
                 raise FusionError(
-                    f"model output {i} (shape {tuple(o1.shape)}) has no batch axis; fused "
-                    "outputs must be per sample"
+                    f"model output {i} (shape {tuple(o1.shape)}) has no batch axis: its shape did "
+                    "not change with the batch size. Fused models take batch-first inputs (axis 0 "
+                    "of each member's input is its batch) and must return per-sample outputs"
                 )
             out_axes.append(axis)
         self._out_axes[self.training] = out_axes

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from ._attention import MultiheadAttention, pin_composable_paths
 from ._base import FusedLayer
 from ._conv import Conv, ConvTranspose
 from ._dropout import Dropout
 from ._embedding import Embedding
 from ._linear import Bilinear, Linear
 from ._norm import BatchNorm, GroupNorm, LayerNorm
+from ._rnn import GRU, LSTM
 
 #: torch layer type -> fused twin type. Looked up by exact type so that a user
 #: subclass with a custom forward is never silently replaced.
@@ -37,6 +39,9 @@ TWINS: dict[type[nn.Module], type[FusedLayer]] = {
     nn.Dropout1d: Dropout,
     nn.Dropout2d: Dropout,
     nn.Dropout3d: Dropout,
+    nn.MultiheadAttention: MultiheadAttention,
+    nn.LSTM: LSTM,
+    nn.GRU: GRU,
 }
 
 __all__ = [
@@ -48,6 +53,10 @@ __all__ = [
     "Dropout",
     "Embedding",
     "FusedLayer",
+    "GRU",
+    "LSTM",
+    "MultiheadAttention",
+    "pin_composable_paths",
     "GroupNorm",
     "LayerNorm",
     "Linear",

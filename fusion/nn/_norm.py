@@ -32,7 +32,8 @@ class BatchNorm(FusedLayer):
         self.affine = bn.affine
         self.track_running_stats = bn.track_running_stats
         self.momentum: list[float | None] = [bn.momentum] * num_members
-        self._min_dim = 2 if isinstance(bn, nn.BatchNorm1d) else (4 if isinstance(bn, nn.BatchNorm2d) else 5)
+        # Input ranks torch accepts for this BatchNorm kind (batched only).
+        self._ranks = (2, 3) if isinstance(bn, nn.BatchNorm1d) else ((4,) if isinstance(bn, nn.BatchNorm2d) else (5,))
 
     @classmethod
     def from_members(cls, members: Sequence[nn.Module], path: str) -> BatchNorm:
@@ -60,8 +61,10 @@ class BatchNorm(FusedLayer):
         self.momentum = self.momentum + other.momentum
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dim() not in (self._min_dim - 1, self._min_dim) or input.dim() < 2:
-            raise FusionError(f"fused BatchNorm got an input of unexpected rank {input.dim()}")
+        if input.dim() not in self._ranks:
+            raise FusionError(
+                f"fused BatchNorm expected a batched input of rank {self._ranks}, got rank {input.dim()}"
+            )
         b = self.num_members
         n = self._check_batch(input)
         c = self.num_features

@@ -1,0 +1,193 @@
+"""Fused MultiheadAttention, and Transformer layers pinned to their composable path."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._errors import FusionError
+from ._base import FusedLayer, check_same_config, stack_param
+from ._linear import Linear
+
+
+def _canonical(mask: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tensor | None:
+    """Bool masks (True = masked) to additive float masks, like torch."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros_like(mask, dtype=like.dtype).masked_fill_(mask, float("-inf"))
+    if not torch.is_floating_point(mask):
+        raise FusionError(f"MultiheadAttention: {name} must be bool or float, got {mask.dtype}")
+    return mask.to(like.dtype)
+
+
+class MultiheadAttention(FusedLayer):
+    """B ``nn.MultiheadAttention`` layers; projections are batched matmuls.
+
+    Supports ``batch_first`` both ways, ``attn_mask`` (2-D, or 3-D per sample
+    and head), ``key_padding_mask`` (bool or float), ``need_weights`` with
+    head-averaged or per-head weights, separate ``kdim``/``vdim``,
+    ``add_bias_kv`` and ``add_zero_attn`` -- the attention itself is computed
+    per sample, so it never mixes members.
+    """
+
+    def __init__(self, num_members: int, mha: nn.MultiheadAttention) -> None:
+        super().__init__(num_members)
+        self.embed_dim = mha.embed_dim
+        self.kdim = mha.kdim
+        self.vdim = mha.vdim
+        self._qkv_same_embed_dim = mha._qkv_same_embed_dim
+        self.num_heads = mha.num_heads
+        self.dropout = mha.dropout
+        self.batch_first = mha.batch_first
+        self.head_dim = mha.head_dim
+        self.add_zero_attn = mha.add_zero_attn
+
+    @classmethod
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> MultiheadAttention:
+        check_same_config(members, path)
+        first = members[0]
+        assert isinstance(first, nn.MultiheadAttention)
+        layer = cls(len(members), first)
+        for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
+                     "bias_k", "bias_v"):
+            tensors = [getattr(m, name) for m in members]
+            layer.register_parameter(name, stack_param(tensors))
+        layer.out_proj = Linear.from_members([m.out_proj for m in members], f"{path}.out_proj")
+        return layer
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Per-member linear map of a batch-first [B*N, L, F] tensor."""
+        b = self.num_members
+        xv = x.reshape(b, -1, x.shape[-1])
+        wt = weight.transpose(1, 2)
+        out = torch.bmm(xv, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), xv, wt)
+        return out.reshape(*x.shape[:-1], weight.shape[1])
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if query.dim() != 3:
+            raise FusionError("fused MultiheadAttention needs batched 3-D inputs")
+        if is_causal and attn_mask is None:
+            raise RuntimeError("Need attn_mask if specifying the is_causal hint")
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        bn, tgt_len, e = query.shape
+        self._check_batch(query)
+        h, hd = self.num_heads, self.head_dim
+        e_w = self.embed_dim
+        bias = self.in_proj_bias
+        bq = bk = bv = None
+        if bias is not None:
+            bq, bk, bv = bias[:, :e_w], bias[:, e_w : 2 * e_w], bias[:, 2 * e_w :]
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight
+            wq, wk, wv = w[:, :e_w], w[:, e_w : 2 * e_w], w[:, 2 * e_w :]
+        else:
+            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        q = self._project(query, wq, bq)
+        k = self._project(key, wk, bk)
+        v = self._project(value, wv, bv)
+        attn_mask = _canonical(attn_mask, q, "attn_mask")
+        key_padding_mask = _canonical(key_padding_mask, q, "key_padding_mask")
+        if self.bias_k is not None and self.bias_v is not None:
+            b = self.num_members
+            n = bn // b
+            k = torch.cat([k, self.bias_k.expand(b, n, 1, e_w).reshape(bn, 1, e_w)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(b, n, 1, e_w).reshape(bn, 1, e_w)], dim=1)
+            if attn_mask is not None:
+                attn_mask = F.pad(attn_mask, (0, 1))
+            if key_padding_mask is not None:
+                key_padding_mask = F.pad(key_padding_mask, (0, 1))
+        # [BN, L, E] -> [BN, H, L, hd]
+        q = q.view(bn, tgt_len, h, hd).transpose(1, 2)
+        k = k.view(bn, k.shape[1], h, hd).transpose(1, 2)
+        v = v.view(bn, v.shape[1], h, hd).transpose(1, 2)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(bn, h, 1, hd)], dim=2)
+            v = torch.cat([v, v.new_zeros(bn, h, 1, hd)], dim=2)
+            if attn_mask is not None:
+                attn_mask = F.pad(attn_mask, (0, 1))
+            if key_padding_mask is not None:
+                key_padding_mask = F.pad(key_padding_mask, (0, 1))
+        src_len = k.shape[2]
+        mask = None
+        if attn_mask is not None:
+            mask = attn_mask.view(bn, h, tgt_len, src_len) if attn_mask.dim() == 3 else attn_mask
+        if key_padding_mask is not None:
+            kpm = key_padding_mask.view(bn, 1, 1, src_len)
+            mask = kpm if mask is None else mask + kpm
+        dropout_p = self.dropout if self.training else 0.0
+        if not need_weights:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            weights = None
+        else:
+            scores = torch.matmul(q * math.sqrt(1.0 / hd), k.transpose(-2, -1))
+            if mask is not None:
+                scores = scores + mask
+            weights = torch.softmax(scores, dim=-1)
+            attn = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
+            out = torch.matmul(attn, v)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+        out = out.transpose(1, 2).reshape(bn, tgt_len, e_w)
+        out = self.out_proj(out)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+
+class EncoderLayerComposablePath(nn.TransformerEncoderLayer):
+    """``nn.TransformerEncoderLayer`` that always runs its composable path.
+
+    torch's inference fast path hands the layer's weights to one fused kernel
+    that would treat our stacked ``[B, ...]`` weights as one model's; the
+    composable path instead calls the (fused) submodules, computing exactly
+    what the fast path computes.
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        src: torch.Tensor,
+        src_mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        src_key_padding_mask = F._canonical_mask(
+            mask=src_key_padding_mask, mask_name="src_key_padding_mask",
+            other_type=F._none_or_dtype(src_mask), other_name="src_mask", target_type=src.dtype,
+        )
+        src_mask = F._canonical_mask(
+            mask=src_mask, mask_name="src_mask", other_type=None, other_name="",
+            target_type=src.dtype, check_other=False,
+        )
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+            x = x + self._ff_block(self.norm2(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+            x = self.norm2(x + self._ff_block(x))
+        return x
+
+
+def pin_composable_paths(module: nn.Module) -> None:
+    """Switch torch Transformer modules in a fused tree off their fused-kernel fast paths."""
+    if type(module) is nn.TransformerEncoderLayer:
+        module.__class__ = EncoderLayerComposablePath
+    elif type(module) is nn.TransformerEncoder:
+        # The nested-tensor fast path also calls fused kernels with raw weights.
+        module.use_nested_tensor = False
