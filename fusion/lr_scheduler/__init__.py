@@ -55,7 +55,7 @@ def _member_values(fused: FusedOptimizer, group: dict[str, Any], b: int) -> dict
 
 
 def _member_views(fused: FusedOptimizer) -> list[_MemberOptimizer]:
-    views: list[_MemberOptimizer] = fused.__dict__.setdefault("_member_views", [])
+    views: list[_MemberOptimizer] = fused.__dict__.setdefault("_scheduler_views", [])
     while len(views) < fused.num_members:
         views.append(_MemberOptimizer(fused, len(views)))
     return views

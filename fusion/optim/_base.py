@@ -12,6 +12,8 @@ from torch.optim import Optimizer
 
 from .._errors import FusionError
 
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 def expand_member_value(name: str, value: Any, b: int, pair: bool = False) -> list[Any]:
     """Expand a scalar (or a pair, for ``pair=True``) to B values; check lengths.
@@ -97,8 +99,15 @@ class FusedOptimizer(Optimizer):
         """Check value ranges like the torch twin does (per member)."""
 
     # ------------------------------------------------------------------ helpers
-    def _hp(self, values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-        """``values`` as a tensor broadcastable against ``like`` (member axis first)."""
+    def _hp(self, values: Sequence[float], like: torch.Tensor, cache: bool = True) -> torch.Tensor:
+        """``values`` as a tensor broadcastable against ``like`` (member axis first).
+
+        Hyper-parameters change rarely, so their tensors are cached; values that
+        change every step (bias corrections) pass ``cache=False``.
+        """
+        if not cache:
+            t = torch.tensor(list(values), dtype=like.dtype, device=like.device)
+            return t.view(-1, *([1] * (like.dim() - 1)))
         key = (tuple(values), like.dtype, like.device, like.dim())
         t = self._hp_cache.get(key)
         if t is None:
@@ -108,6 +117,28 @@ class FusedOptimizer(Optimizer):
             t = t.view(-1, *([1] * (like.dim() - 1)))
             self._hp_cache[key] = t
         return t
+
+    #: Whether steps may use torch's fused optimizer kernels (one call per
+    #: member). The tensor-math path is the fallback for devices and dtypes
+    #: those kernels do not cover; tests switch it off to check both.
+    use_fused_kernels: bool = True
+
+    def _can_use_fused_kernel(self, params: list[torch.Tensor]) -> bool:
+        if not self.use_fused_kernels:
+            return False
+        first = params[0]
+        if first.device.type not in ("cpu", "cuda") or first.dtype not in _FUSED_DTYPES:
+            return False
+        return all(
+            p.device == first.device and p.dtype == first.dtype and p.grad is not None
+            and not p.grad.is_sparse and p.grad.dtype == p.dtype
+            for p in params
+        )
+
+    def _member_views(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per member, the list of its slices of ``tensors`` (views, no copies)."""
+        per_tensor = [t.unbind(0) for t in tensors]
+        return [list(views) for views in zip(*per_tensor)]
 
     def _new_step(self, p: torch.Tensor) -> torch.Tensor:
         # torch keeps float32 step counters on CPU; one per member here.
@@ -133,9 +164,9 @@ class FusedOptimizer(Optimizer):
         self.num_members = len(keep)
         self._hp_cache.clear()
         # Per-member views and schedulers (fusion.lr_scheduler) follow the removal.
-        views = self.__dict__.get("_member_views")
+        views = self.__dict__.get("_scheduler_views")
         if views is not None:
-            self.__dict__["_member_views"] = [views[i] for i in keep if i < len(views)]
+            self.__dict__["_scheduler_views"] = [views[i] for i in keep if i < len(views)]
         for ref in list(self.__dict__.get("_membership_listeners", [])):
             listener = ref()
             if listener is not None:

@@ -58,38 +58,75 @@ class SGD(FusedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            momenta = group["momentum"]
-            use_momentum = any(m != 0 for m in momenta)
-            mixed_momentum = use_momentum and any(m == 0 for m in momenta)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = -p.grad if group["maximize"] else p.grad
-                if any(w != 0 for w in group["weight_decay"]):
-                    grad = grad + self._hp(group["weight_decay"], p) * p
-                if use_momentum:
-                    state = self.state[p]
-                    m_t = self._hp(momenta, p)
-                    buf = state.get("momentum_buffer")
-                    steps = state.get("member_steps")
-                    if buf is None or steps is None:
-                        buf = grad.detach().clone()
-                        state["momentum_buffer"] = buf
-                        state["member_steps"] = torch.ones(self.num_members)
-                    else:
-                        updated = buf * m_t + grad * self._hp([1 - d for d in group["dampening"]], p)
-                        fresh = steps == 0
-                        if bool(fresh.any()):
-                            # Members added after the first step start like torch: buf = grad.
-                            mask = fresh.to(p.device).view(-1, *([1] * (p.dim() - 1)))
-                            updated = torch.where(mask, grad, updated)
-                        buf.copy_(updated)
-                        steps.add_(1)
-                    direction = grad + m_t * buf if group["nesterov"] else buf
-                    if mixed_momentum:
-                        mask = (m_t == 0)
-                        direction = torch.where(mask, grad, direction)
-                else:
-                    direction = grad
-                p.add_(direction * self._hp([-lr for lr in group["lr"]], p))
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if self._can_use_fused_kernel(params):
+                self._step_fused_kernel(group, params)
+            else:
+                for p in params:
+                    self._step_tensor_math(group, p)
         return loss
+
+    def _step_fused_kernel(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """torch's fused SGD kernel (as in SGD(fused=True)), once per member."""
+        momenta = group["momentum"]
+        use_momentum = any(m != 0 for m in momenta)
+        first: list[bool] = [False] * self.num_members
+        bufs: list[list[torch.Tensor]] | None = None
+        if use_momentum:
+            states = [self.state[p] for p in params]
+            for p, state in zip(params, states):
+                if "momentum_buffer" not in state or "member_steps" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["member_steps"] = torch.zeros(self.num_members)
+            # Members share the step counter of every parameter they own; a
+            # member is on its first step when its count is zero.
+            first = [s == 0 for s in states[0]["member_steps"].tolist()]
+            bufs = self._member_views([s["momentum_buffer"] for s in states])
+        p_m = self._member_views(params)
+        g_m = self._member_views([p.grad for p in params])
+        for b in range(self.num_members):
+            has_momentum = momenta[b] != 0
+            torch._fused_sgd_(
+                p_m[b], g_m[b], bufs[b] if (bufs is not None and has_momentum) else [],
+                weight_decay=group["weight_decay"][b], momentum=momenta[b], lr=group["lr"][b],
+                dampening=group["dampening"][b], nesterov=group["nesterov"], maximize=group["maximize"],
+                is_first_step=first[b],
+            )
+        if use_momentum:
+            for p in params:
+                self.state[p]["member_steps"].add_(1)
+
+    def _step_tensor_math(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        """torch's single-tensor SGD with per-member values broadcast over the member axis."""
+        momenta = group["momentum"]
+        use_momentum = any(m != 0 for m in momenta)
+        mixed_momentum = use_momentum and any(m == 0 for m in momenta)
+        grad = -p.grad if group["maximize"] else p.grad
+        if any(w != 0 for w in group["weight_decay"]):
+            grad = grad + self._hp(group["weight_decay"], p) * p
+        if use_momentum:
+            state = self.state[p]
+            m_t = self._hp(momenta, p)
+            buf = state.get("momentum_buffer")
+            steps = state.get("member_steps")
+            if buf is None or steps is None:
+                buf = grad.detach().clone()
+                state["momentum_buffer"] = buf
+                state["member_steps"] = torch.ones(self.num_members)
+            else:
+                updated = buf * m_t + grad * self._hp([1 - d for d in group["dampening"]], p)
+                fresh = steps == 0
+                if bool(fresh.any()):
+                    # Members added after the first step start like torch: buf = grad.
+                    mask = fresh.to(p.device).view(-1, *([1] * (p.dim() - 1)))
+                    updated = torch.where(mask, grad, updated)
+                buf.copy_(updated)
+                steps.add_(1)
+            direction = grad + m_t * buf if group["nesterov"] else buf
+            if mixed_momentum:
+                direction = torch.where(m_t == 0, grad, direction)
+        else:
+            direction = grad
+        p.add_(direction * self._hp([-lr for lr in group["lr"]], p))

@@ -170,3 +170,20 @@ def test_scheduler_state_dict_and_last_lr():
     sched2 = fusion.lr_scheduler.StepLR(opt2, step_size=1, gamma=[0.5, 0.1])
     sched2.load_state_dict(state)
     assert sched2.last_epoch == [1, 1]
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam_maximize", "sgd_dampening"])
+def test_tensor_math_fallback_path(name, monkeypatch):
+    """The path used where torch's fused kernels do not apply (other devices/dtypes)."""
+    monkeypatch.setattr(fusion.optim.FusedOptimizer, "use_fused_kernels", False)
+    torch_cls, fused_cls, per_member, shared = OPTIMIZERS[name]
+    ref, fused = pair(torch_cls, fused_cls, per_member, shared)
+    run_equivalence(mlp, batch, ref, fused, b=B, steps=4)
+
+
+def test_sgd_nesterov_both_paths(monkeypatch):
+    kw = dict(lr=[0.1, 0.05, 0.2], momentum=[0.9, 0.5, 0.1], weight_decay=[0.0, 0.1, 0.01])
+    for use in (True, False):
+        monkeypatch.setattr(fusion.optim.FusedOptimizer, "use_fused_kernels", use)
+        ref, fused = pair(torch.optim.SGD, fusion.optim.SGD, kw, dict(nesterov=True))
+        run_equivalence(mlp, batch, ref, fused, b=B)

@@ -1,0 +1,271 @@
+"""Throughput of fused training vs serial training and a torch.func ensemble.
+
+Prints models·steps/s (B models each doing one training step = B model-steps)
+and the ratio to serial training of the same B models, for:
+
+- serial: B ordinary models, each with its own torch.optim.Adam, one after another;
+- fused: ``fusion.fuse`` + ``fusion.optim.Adam`` (per-member learning rates);
+- func: the torch.func ensemble baseline (``stack_module_state`` +
+  ``functional_call`` + ``vmap``) with one torch.optim.Adam over the stacked
+  parameters. BatchNorm running statistics are disabled for it
+  (``replace_all_batch_norm_modules_``, as torch.func requires), so it does
+  slightly less work than the others; ``n/a`` where vmap has no batching rule.
+
+Measurements are pairwise interleaved: each round times every path for the
+same number of steps back to back, and the median over rounds is reported, so
+slow drifts of a shared machine hit all paths alike.
+
+Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm]
+       [--members 1,2,4,8,16] [--steps 10] [--rounds 3] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Run as a script, this file's directory is sys.path[0] and this very file
+# (benchmarks/fusion.py) would shadow the fusion package; import the package
+# from the repository root instead.
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import fusion  # noqa: E402
+
+# ----------------------------------------------------------------------------- models
+
+
+def mlp() -> nn.Module:
+    """The digits MLP shape (8x8 images), hidden 128."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, 10))
+
+
+def cnn() -> nn.Module:
+    """The digits CNN shape: conv + BatchNorm + pooling on 8x8 images."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    )
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """CIFAR-shaped ResNet-18 ([2, 2, 2, 2] basic blocks), width reduced for a 2-core CPU."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        blocks = []
+        cin = width
+        for i, stride in enumerate((1, 2, 2, 2)):
+            cout = width * 2**i
+            blocks += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*blocks)
+        self.linear = nn.Linear(cin, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layers(F.relu(self.bn1(self.conv1(x))))
+        out = F.adaptive_avg_pool2d(out, 1)
+        return self.linear(out.view(out.size(0), -1))
+
+
+class TransformerClassifier(nn.Module):
+    """Token classifier: embedding, 2 encoder layers, padding mask, mean pooling."""
+
+    def __init__(self, vocab: int = 1000, d: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pad = tokens == 0
+        h = self.enc(self.emb(tokens), src_key_padding_mask=pad)
+        keep = (~pad).unsqueeze(-1).to(h.dtype)
+        return self.head((h * keep).sum(1) / keep.sum(1))
+
+
+class LSTMLM(nn.Module):
+    """LSTM language model: next-token logits, returned as [N, V, T] for cross_entropy."""
+
+    def __init__(self, vocab: int = 1000, d: int = 64, hidden: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        y, _ = self.lstm(self.emb(tokens))
+        return self.out(y).transpose(1, 2)
+
+
+@dataclass
+class Workload:
+    factory: Callable[[], nn.Module]
+    make_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _tokens(n: int, seq: int = 32, vocab: int = 1000) -> torch.Tensor:
+    x = torch.randint(1, vocab, (n, seq))
+    x[: n // 2, seq * 3 // 4 :] = 0  # half the batch padded
+    return x
+
+
+WORKLOADS: dict[str, Workload] = {
+    "mlp": Workload(mlp, lambda n: (torch.randn(n, 1, 8, 8), torch.randint(0, 10, (n,)))),
+    "cnn": Workload(cnn, lambda n: (torch.randn(n, 1, 8, 8), torch.randint(0, 10, (n,)))),
+    "resnet": Workload(ResNet18, lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))),
+    "transformer": Workload(TransformerClassifier, lambda n: (_tokens(n), torch.randint(0, 10, (n,)))),
+    "lstm": Workload(LSTMLM, lambda n: (torch.randint(0, 1000, (n, 32)), torch.randint(0, 1000, (n, 32)))),
+}
+
+# ----------------------------------------------------------------------------- paths
+
+Step = Callable[[], None]
+
+
+def serial_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> Step:
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3 * (i + 1)) for i, m in enumerate(models)]
+
+    def step() -> None:
+        for m, o in zip(models, opts):
+            o.zero_grad(set_to_none=True)
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+
+    return step
+
+
+def fused_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> Step:
+    fused = fusion.fuse(models)
+    b = len(models)
+    opt = fusion.optim.Adam(fused.parameters(), lr=[1e-3 * (i + 1) for i in range(b)])
+    xb, yb = fusion.broadcast(x, b), fusion.broadcast(y, b)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        fusion.per_member_loss(F.cross_entropy, fused(xb), yb).sum().backward()
+        opt.step()
+
+    return step
+
+
+def func_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> Step | None:
+    from torch.func import functional_call, stack_module_state, vmap
+
+    models = [copy.deepcopy(m) for m in models]
+    for m in models:
+        torch.func.replace_all_batch_norm_modules_(m)
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    opt = torch.optim.Adam(list(params.values()), lr=1e-3)
+
+    def one(p: dict, bufs: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(base, (p, bufs), (xi,)), yi)
+
+    loss_fn = vmap(one, in_dims=(0, 0, None, None), randomness="different")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(params, buffers, x, y).sum().backward()
+        opt.step()
+
+    try:
+        step()
+    except Exception:
+        return None
+    return step
+
+
+PATHS = {"serial": serial_step, "fused": fused_step, "func": func_step}
+
+# ----------------------------------------------------------------------------- driver
+
+
+def measure(name: str, b: int, batch: int, steps: int, rounds: int, paths: list[str]) -> dict[str, float | None]:
+    work = WORKLOADS[name]
+    torch.manual_seed(0)
+    x, y = work.make_batch(batch)
+    models = [work.factory() for _ in range(b)]
+    runners: dict[str, Step | None] = {}
+    for p in paths:
+        runners[p] = PATHS[p]([copy.deepcopy(m) for m in models], x, y)
+        if runners[p] is not None:
+            runners[p]()  # warm-up (and the fused model's dry run)
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    for _ in range(rounds):
+        for p in paths:  # interleaved: every path once per round
+            run = runners[p]
+            if run is None:
+                continue
+            start = time.perf_counter()
+            for _ in range(steps):
+                run()
+            times[p].append(time.perf_counter() - start)
+    return {p: (b * steps / statistics.median(t) if t else None) for p, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="mlp,cnn,resnet,transformer,lstm")
+    parser.add_argument("--members", default="1,2,4,8,16")
+    parser.add_argument("--paths", default="serial,fused,func")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = args.paths.split(",")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, "
+          f"{args.steps} steps x {args.rounds} interleaved rounds (median)")
+    header = f"{'model':<12}{'B':>3}" + "".join(f"{p + ' m·s/s':>16}{'x serial':>10}" for p in paths)
+    print(header)
+    print("-" * len(header))
+    for name in args.models.split(","):
+        for b in (int(v) for v in args.members.split(",")):
+            res = measure(name, b, args.batch, args.steps, args.rounds, paths)
+            base = res.get("serial")
+            row = f"{name:<12}{b:>3}"
+            for p in paths:
+                v = res[p]
+                ratio = f"{v / base:.2f}x" if v and base else "n/a"
+                row += f"{(f'{v:.1f}' if v else 'n/a'):>16}{ratio:>10}"
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
