@@ -1,26 +1,30 @@
 """Fractional allocation: the fairness policies, solved as linear programs with HiGHS.
 
 Unit of allocation: a *class* is the set of a tenant's trials that share one signature
-(they are interchangeable and fuse together).  ``x[c, g]`` is the (fractional) number of
-devices of type ``g`` that class ``c`` holds on average; each such device runs one array
-of ``members[c, g]`` trials and yields ``rate[c, g]`` units of *normalised* throughput
-(models·steps/s divided by the signature's best solo steps/s on any type, so one unfused
-trial on its best device type = 1.0, and different job types add up meaningfully).
+(they are interchangeable and fuse together).  ``x[c, g, k]`` is the (fractional) number
+of devices of type ``g`` that class ``c`` holds on average with array option ``k``; each
+such device runs one array of ``members[c, g, k]`` trials and yields ``rate[c, g, k]``
+units of *normalised* throughput (models·steps/s divided by the signature's best solo
+steps/s on any type, so one unfused trial on its best device type = 1.0, and different
+job types add up meaningfully).  Options are array sizes (1 = unfused, up to the sized
+B): the LP itself picks when to fuse -- spreading trials unfused while devices are
+plentiful (each trial runs at full speed) and fusing when devices are scarce.
 
-Tenant ``i``'s utility is ``u_i(x) = Σ_{c∈i, g} rate[c,g] · x[c,g]``.  Its *equal share*
+Tenant ``i``'s utility is ``u_i(x) = Σ_{c∈i, g, k} rate[c,g,k] · x[c,g,k]``.  Its *equal share*
 is ``s_i = w_i / Σ_{active} w`` of every device type (a weight replicates the share), and
 ``e_i`` is the best utility it could reach alone inside that share.
 
 Policies (all LPs over ``x`` with capacity ``Σ_c x[c,g] ≤ N_g`` and demand
-``Σ_g members[c,g] · x[c,g] ≤ n_c``):
+``Σ_{g,k} members[c,g,k] · x[c,g,k] ≤ n_c``):
 
 * ``max_min`` (Gavel, OSDI'20): maximise ``min_i u_i / e_i`` by water-filling (tenants
   whose demand is met are frozen and the rest raised further), then maximise total
   utility without lowering anyone's level.
 * ``oef`` (OEF, Middleware'24): maximise ``Σ_i u_i`` subject to sharing incentive
   ``u_i ≥ e_i`` and envy-freeness ``v_i·a_i / w_i ≥ v_i·a_j / w_j`` for every tenant
-  ``i`` whose demand its equal share does not already meet, where ``a_i[g] = Σ_{c∈i}
-  x[c,g]`` is i's bundle and ``v_i[g] = max_{c∈i} rate[c,g]`` its per-device value.
+  ``i`` whose demand its equal share does not already meet (envy rows carry a heavily
+  penalised slack: exact whenever demand caps allow it), where ``a_i[g] = Σ_{c∈i}
+  x[c,g,k]`` is i's bundle and ``v_i[g] = max_{c∈i,k} rate[c,g,k]`` its per-device value.
 * ``oef_noncooperative``: as ``oef`` but envy-freeness must hold for *every* valuation,
   i.e. per type ``a_i[g]/w_i ≥ a_j[g]/w_j``.  Unsaturated tenants' bundles then do not
   depend on reported speed-ups at all, so misreporting cannot buy more devices
@@ -42,6 +46,7 @@ __all__ = ["AllocationProblem", "Allocation", "FairnessPolicy", "solve_allocatio
 FairnessPolicy = Literal["max_min", "oef", "oef_noncooperative"]
 
 _TOL = 1e-7
+_ENVY_PENALTY = 1e3  # per unit of envy, relative to the largest per-device rate
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,9 @@ class AllocationProblem:
         weights: (T,) tenant weights, > 0.
         capacity: (G,) devices of each type.
         class_tenant: (C,) tenant index of each class.
-        rate: (C, G) normalised throughput of one device of type g running class c.
-        members: (C, G) trials one such device holds (0: class cannot run on type g).
+        rate: (C, G, K) normalised throughput of one device of type g running class c
+            with array option k.
+        members: (C, G, K) trials such a device holds (0: option unusable).
         demand: (C,) trials in the class (pending + running).
     """
 
@@ -82,52 +88,78 @@ class Allocation:
     """A fractional allocation and the fairness quantities it was judged by.
 
     Attributes:
-        devices: (C, G) x, devices of each type per class.
+        devices: (C, G) devices of each type per class (summed over options).
+        members: (C, G) mean trials per array the allocation implies (0 where no devices).
         utility: (T,) u_i(x).
         equal_share: (T,) e_i, best utility within the weighted equal share.
         saturated: (T,) True where the equal share already meets the tenant's demand.
+        unmet: (T,) True where this allocation leaves some of the tenant's trials unheld
+            (only such tenants can envy: the others could not use more devices).
         solver_seconds: wall time spent in HiGHS for this allocation.
     """
 
     devices: np.ndarray
+    members: np.ndarray
     utility: np.ndarray
     equal_share: np.ndarray
     saturated: np.ndarray
+    unmet: np.ndarray
     solver_seconds: float
 
 
-def _variables(p: AllocationProblem) -> tuple[np.ndarray, np.ndarray]:
-    """(class, type) index pairs of the usable variables (members > 0 and demand > 0)."""
-    usable = (p.members > 0) & (p.rate > 0) & (p.demand[:, None] > 0)
-    cls, typ = np.nonzero(usable)
-    return cls, typ
+@dataclass(frozen=True)
+class _Vars:
+    """The usable LP variables: (class, type, option) triples with their rate/members."""
+
+    cls: np.ndarray
+    typ: np.ndarray
+    opt: np.ndarray
+    rate: np.ndarray
+    members: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.cls.shape[0])
+
+
+def _variables(p: AllocationProblem) -> _Vars:
+    """Usable variables: members > 0, rate > 0 and the class has demand."""
+    usable = (p.members > 0) & (p.rate > 0) & (p.demand[:, None, None] > 0)
+    cls, typ, opt = np.nonzero(usable)
+    return _Vars(cls, typ, opt, p.rate[cls, typ, opt], p.members[cls, typ, opt].astype(float))
+
+
+def _scatter(p: AllocationProblem, v: _Vars, sol: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(C, G) devices and (C, G) trials held, from a solution vector over ``v``."""
+    x = np.zeros((p.n_classes, p.n_types))
+    held = np.zeros((p.n_classes, p.n_types))
+    np.add.at(x, (v.cls, v.typ), sol)
+    np.add.at(held, (v.cls, v.typ), sol * v.members)
+    return x, held
 
 
 def _base_constraints(
-    p: AllocationProblem, cls: np.ndarray, typ: np.ndarray, caps: np.ndarray, per_tenant_caps: bool
+    p: AllocationProblem, v: _Vars, caps: np.ndarray, per_tenant_caps: bool
 ) -> tuple[sparse.csr_matrix, np.ndarray]:
     """Capacity rows (per type, or per tenant×type) followed by per-class demand rows."""
-    n = cls.shape[0]
+    n = v.size
     cols = np.arange(n)
     if per_tenant_caps:
-        cap_rows = p.class_tenant[cls] * p.n_types + typ
+        cap_rows = p.class_tenant[v.cls] * p.n_types + v.typ
         n_cap = p.n_tenants * p.n_types
     else:
-        cap_rows = typ
+        cap_rows = v.typ
         n_cap = p.n_types
-    rows = np.concatenate([cap_rows, n_cap + cls])
-    data = np.concatenate([np.ones(n), p.members[cls, typ].astype(float)])
+    rows = np.concatenate([cap_rows, n_cap + v.cls])
+    data = np.concatenate([np.ones(n), v.members])
     a = sparse.csr_matrix((data, (rows, np.concatenate([cols, cols]))), shape=(n_cap + p.n_classes, n))
     b = np.concatenate([caps.ravel(), p.demand.astype(float)])
     return a, b
 
 
-def _utility_matrix(p: AllocationProblem, cls: np.ndarray, typ: np.ndarray) -> sparse.csr_matrix:
+def _utility_matrix(p: AllocationProblem, v: _Vars) -> sparse.csr_matrix:
     """(T, n) matrix U with u = U @ x."""
-    n = cls.shape[0]
-    return sparse.csr_matrix(
-        (p.rate[cls, typ], (p.class_tenant[cls], np.arange(n))), shape=(p.n_tenants, n)
-    )
+    return sparse.csr_matrix((v.rate, (p.class_tenant[v.cls], np.arange(v.size))), shape=(p.n_tenants, v.size))
 
 
 def _shares(p: AllocationProblem) -> np.ndarray:
@@ -146,39 +178,41 @@ def _linprog(c: np.ndarray, a_ub: sparse.spmatrix, b_ub: np.ndarray) -> tuple[np
     return (res.x if res.status == 0 else None), time.perf_counter() - t0
 
 
+def _unmet_tenants(p: AllocationProblem, v: _Vars, held: np.ndarray) -> np.ndarray:
+    """(T,) True where some runnable class of the tenant holds fewer trials than it has."""
+    runnable = np.zeros(p.n_classes, dtype=bool)
+    runnable[v.cls] = True  # a class that fits no device type cannot want more devices
+    unmet = runnable & (p.demand - held.sum(axis=1) > 1e-6 * np.maximum(1.0, p.demand))
+    out = np.zeros(p.n_tenants, dtype=bool)
+    out[p.class_tenant[unmet]] = True
+    return out
+
+
 def equal_share_utilities(p: AllocationProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """e_i for every tenant, the per-class equal-share solution, saturation flags and time.
+    """e_i for every tenant, the (C, G) equal-share devices, saturation flags and time.
 
     All tenants are solved in one block-diagonal LP: blocks are independent, so the
     optimum of the sum is the optimum of each block.
     """
-    cls, typ = _variables(p)
+    v = _variables(p)
     share = _shares(p)
-    e = np.zeros(p.n_tenants)
-    y = np.zeros((p.n_classes, p.n_types))
-    saturated = np.ones(p.n_tenants, dtype=bool)
-    if cls.size == 0:
-        return e, y, saturated, 0.0
+    if v.size == 0:
+        return np.zeros(p.n_tenants), np.zeros((p.n_classes, p.n_types)), np.ones(p.n_tenants, dtype=bool), 0.0
     caps = share[:, None] * p.capacity[None, :]
-    a, b = _base_constraints(p, cls, typ, caps, per_tenant_caps=True)
-    sol, secs = _linprog(-p.rate[cls, typ], a, b)
+    a, b = _base_constraints(p, v, caps, per_tenant_caps=True)
+    sol, secs = _linprog(-v.rate, a, b)
     if sol is None:  # pragma: no cover - HiGHS does not fail on this always-feasible LP
         raise RuntimeError("equal-share LP failed")
-    y[cls, typ] = sol
-    e = _utility_matrix(p, cls, typ) @ sol
-    served = (p.members * y).sum(axis=1)
-    runnable = np.zeros(p.n_classes, dtype=bool)
-    runnable[cls] = True  # a class that fits no device type cannot want more devices
-    unmet = runnable & (p.demand - served > 1e-6 * np.maximum(1.0, p.demand))
-    saturated[p.class_tenant[unmet]] = False
-    return e, y, saturated, secs
+    y, held = _scatter(p, v, sol)
+    e = _utility_matrix(p, v) @ sol
+    return e, y, ~_unmet_tenants(p, v, held), secs
 
 
-def _max_min(p: AllocationProblem, cls: np.ndarray, typ: np.ndarray, e: np.ndarray) -> tuple[np.ndarray | None, float]:
+def _max_min(p: AllocationProblem, v: _Vars, e: np.ndarray) -> tuple[np.ndarray | None, float]:
     """Water-filling weighted max-min of u_i / e_i, then a total-utility stage."""
-    n = cls.shape[0]
-    u_mat = _utility_matrix(p, cls, typ)
-    base_a, base_b = _base_constraints(p, cls, typ, p.capacity.astype(float), per_tenant_caps=False)
+    n = v.size
+    u_mat = _utility_matrix(p, v)
+    base_a, base_b = _base_constraints(p, v, p.capacity.astype(float), per_tenant_caps=False)
     tenants = np.flatnonzero(e > _TOL)
     level = np.zeros(p.n_tenants)  # frozen minimum u_i / e_i
     frozen = np.zeros(p.n_tenants, dtype=bool)
@@ -191,8 +225,7 @@ def _max_min(p: AllocationProblem, cls: np.ndarray, typ: np.ndarray, e: np.ndarr
         # Variables [x, t]; maximise t s.t. -u_i + t e_i <= 0 (active), -u_i <= -level_i e_i (frozen).
         rows = [sparse.hstack([base_a, sparse.csr_matrix((base_a.shape[0], 1))])]
         rhs = [base_b]
-        sel = -u_mat[active]
-        rows.append(sparse.hstack([sel, sparse.csr_matrix(e[active][:, None])]))
+        rows.append(sparse.hstack([-u_mat[active], sparse.csr_matrix(e[active][:, None])]))
         rhs.append(np.zeros(active.size))
         fz = tenants[frozen[tenants]]
         if fz.size:
@@ -207,11 +240,9 @@ def _max_min(p: AllocationProblem, cls: np.ndarray, typ: np.ndarray, e: np.ndarr
         x, t = sol[:n], sol[-1]
         # Tenants whose every class is fully served cannot rise further: freeze them at
         # what they got and water-fill the rest.
-        served = np.zeros(p.n_classes)
-        np.add.at(served, cls, p.members[cls, typ] * x)
-        unmet_tenants = np.zeros(p.n_tenants, dtype=bool)
-        unmet_tenants[p.class_tenant[p.demand - served > 1e-6 * np.maximum(1.0, p.demand)]] = True
-        newly = active[~unmet_tenants[active]]
+        _, held = _scatter(p, v, x)
+        unmet = _unmet_tenants(p, v, held)
+        newly = active[~unmet[active]]
         level[active] = t
         if newly.size == 0:
             break
@@ -223,35 +254,34 @@ def _max_min(p: AllocationProblem, cls: np.ndarray, typ: np.ndarray, e: np.ndarr
     lv = np.maximum(level[tenants], 0.0)
     a = sparse.vstack([base_a, -u_mat[tenants]]).tocsr()
     b = np.concatenate([base_b, -(lv * e[tenants]) * (1 - 1e-8)])
-    sol, s = _linprog(-np.asarray(u_mat.sum(axis=0)).ravel(), a, b)
+    sol, s = _linprog(-v.rate, a, b)
     secs += s
     return (sol if sol is not None else x), secs
 
 
 def _oef(
     p: AllocationProblem,
-    cls: np.ndarray,
-    typ: np.ndarray,
+    v: _Vars,
     e: np.ndarray,
     saturated: np.ndarray,
     noncooperative: bool,
+    owed: np.ndarray,
 ) -> tuple[np.ndarray | None, float]:
     """Max total utility s.t. sharing incentive and (weighted) envy-freeness."""
-    n = cls.shape[0]
+    n = v.size
     T, G = p.n_tenants, p.n_types
-    u_mat = _utility_matrix(p, cls, typ)
-    base_a, base_b = _base_constraints(p, cls, typ, p.capacity.astype(float), per_tenant_caps=False)
-    # Bundle per tenant and type, a[i,g] = Σ_{c∈i} x[c,g], as a (T*G, n) linear map.
-    bundle = sparse.csr_matrix(
-        (np.ones(n), (p.class_tenant[cls] * G + typ, np.arange(n))), shape=(T * G, n)
-    )
+    u_mat = _utility_matrix(p, v)
+    base_a, base_b = _base_constraints(p, v, p.capacity.astype(float), per_tenant_caps=False)
+    owner = p.class_tenant[v.cls]
+    # Bundle per tenant and type, a[i,g] = Σ_{c∈i,k} x[c,g,k], as a (T*G, n) linear map.
+    bundle = sparse.csr_matrix((np.ones(n), (owner * G + v.typ, np.arange(n))), shape=(T * G, n))
     active = np.zeros(T, dtype=bool)
     active[p.class_tenant[p.demand > 0]] = True
     value = np.zeros((T, G))
-    np.maximum.at(value, (p.class_tenant[cls], typ), p.rate[cls, typ])
+    np.maximum.at(value, (owner, v.typ), v.rate)
     w = p.weights.astype(float)
     rows: list[sparse.spmatrix] = [base_a, -u_mat[active]]
-    rhs: list[np.ndarray] = [base_b, -(e[active] - _TOL)]
+    rhs: list[np.ndarray] = [base_b, -((e + owed)[active] - _TOL)]
     enviers = np.flatnonzero(active & ~saturated)
     others = np.flatnonzero(active)
     if enviers.size and others.size > 1:
@@ -287,34 +317,67 @@ def _oef(
                 ),
                 shape=(m, T * G),
             )
-        rows.append(coef @ bundle)
-        rhs.append(np.full(coef.shape[0], _TOL))
-    obj = -np.asarray(u_mat.sum(axis=0)).ravel()
-    return _linprog(obj, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
+        ef = (coef @ bundle).tocsr()
+        # Demand caps can make exact envy-freeness and sharing incentive jointly
+        # infeasible (a tenant that can use only 3 devices "envies" a 4-device bundle it
+        # could not use).  Each envy row therefore gets a slack variable with a penalty
+        # that dominates any throughput gain, so the LP always has a solution, is exactly
+        # envy-free whenever that is feasible, and otherwise minimises total envy.
+        m = ef.shape[0]
+        rows = [sparse.hstack([r, sparse.csr_matrix((r.shape[0], m))]) for r in rows]
+        rows.append(sparse.hstack([ef, -sparse.identity(m, format="csr")]))
+        rhs.append(np.full(m, _TOL))
+        penalty = _ENVY_PENALTY * max(1.0, float(v.rate.max()))
+        obj = np.concatenate([-v.rate, np.full(m, penalty)])
+        sol, secs = _linprog(obj, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
+        return (sol[:n] if sol is not None else None), secs
+    return _linprog(-v.rate, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
 
 
-def solve_allocation(p: AllocationProblem, policy: FairnessPolicy) -> Allocation:
+def solve_allocation(
+    p: AllocationProblem, policy: FairnessPolicy, owed: np.ndarray | None = None
+) -> Allocation:
     """Solve one round's fractional allocation under ``policy``.
 
-    If HiGHS reports a failure (numerically degenerate instance), the equal-share
-    solution is returned: it is always feasible and satisfies sharing incentive and
-    envy-freeness by construction.
+    ``owed`` (OEF policies only, >= 0) raises the sharing-incentive constraint of tenant
+    i to ``u_i >= e_i + owed_i``; the scheduler uses it to repay rounding shortfalls of
+    earlier rounds.  If that makes the LP infeasible it is dropped.  If
+    HiGHS still fails (numerically degenerate instance), the equal-share solution is
+    used: it is always feasible and satisfies sharing incentive and envy-freeness.
     """
-    e, y, saturated, secs = equal_share_utilities(p)
-    cls, typ = _variables(p)
-    x = np.zeros((p.n_classes, p.n_types))
-    if cls.size:
+    if policy not in ("max_min", "oef", "oef_noncooperative"):
+        raise ValueError(f"unknown fairness policy {policy!r}")
+    e, _, saturated, secs = equal_share_utilities(p)
+    v = _variables(p)
+    sol: np.ndarray | None = None
+    if v.size:
         if policy == "max_min":
-            sol, s = _max_min(p, cls, typ, e)
-        elif policy in ("oef", "oef_noncooperative"):
-            sol, s = _oef(p, cls, typ, e, saturated, noncooperative=policy == "oef_noncooperative")
+            sol, s = _max_min(p, v, e)
         else:
-            raise ValueError(f"unknown fairness policy {policy!r}")
+            noncoop = policy == "oef_noncooperative"
+            extra = np.zeros(p.n_tenants) if owed is None else np.maximum(np.asarray(owed, dtype=float), 0.0)
+            sol, s = _oef(p, v, e, saturated, noncoop, extra)
+            if sol is None and np.any(extra > 0):
+                secs += s
+                sol, s = _oef(p, v, e, saturated, noncoop, np.zeros(p.n_tenants))
         secs += s
         if sol is None:
-            x = y
-        else:
-            x[cls, typ] = np.maximum(sol, 0.0)
-    u = np.zeros(p.n_tenants)
-    np.add.at(u, p.class_tenant, (p.rate * x).sum(axis=1))
-    return Allocation(devices=x, utility=u, equal_share=e, saturated=saturated, solver_seconds=secs)
+            # Re-solve the equal-share LP's vector form (cheap, always feasible).
+            caps = _shares(p)[:, None] * p.capacity[None, :]
+            a, b = _base_constraints(p, v, caps, per_tenant_caps=True)
+            sol, s = _linprog(-v.rate, a, b)
+            secs += s
+    sol = np.maximum(sol, 0.0) if sol is not None else np.zeros(v.size)
+    x, held = _scatter(p, v, sol)
+    u = np.asarray(_utility_matrix(p, v) @ sol).ravel() if v.size else np.zeros(p.n_tenants)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        members = np.where(x > 1e-9, held / np.where(x > 1e-9, x, 1.0), 0.0)
+    return Allocation(
+        devices=x,
+        members=members,
+        utility=u,
+        equal_share=e,
+        saturated=saturated,
+        unmet=_unmet_tenants(p, v, held),
+        solver_seconds=secs,
+    )

@@ -42,6 +42,7 @@ POLICIES: Mapping[str, _Preset] = {
 }
 
 _CARRY_LIMIT = 3.0  # bounds how much past over/under-service a class can bank
+_DEBT_LIMIT = 0.5  # a tenant can be owed at most half a round's equal-share utility
 
 
 class Scheduler:
@@ -86,6 +87,11 @@ class Scheduler:
         # later rounds repay, so small fractional shares are honoured over time.
         self._carry: dict[tuple[tuple[str, str], str], float] = {}
         self._sizes: dict[tuple[SpeedupCurve, int], int] = {}
+        # Per-tenant utility still owed: Σ over rounds of (equal-share utility - realised
+        # utility), repaid through the LP's sharing-incentive floor.  Integer rounding of
+        # a fractional allocation loses a little each round; this makes the sharing
+        # incentive hold over time, not only in the fractional solution.
+        self._debt: dict[str, float] = {}
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -110,15 +116,17 @@ class Scheduler:
         devices: Sequence[Device],
         tenants: Mapping[str, float],
     ) -> tuple[AllocationProblem, tuple[str, ...], np.ndarray]:
-        """Build the allocation LP instance for ``classes``; also returns types and members."""
+        """Build the allocation LP instance for ``classes``; also returns types and options."""
         types = tuple(sorted({d.device_type for d in devices}))
         capacity = np.array([sum(1 for d in devices if d.device_type == g) for g in types], dtype=float)
         memory = {g: min(d.memory_bytes for d in devices if d.device_type == g) for g in types}
         tenant_names = tuple(tenants)
         tenant_index = {t: i for i, t in enumerate(tenant_names)}
         n_c, n_g = len(classes), len(types)
-        members = np.zeros((n_c, n_g))
-        rate = np.zeros((n_c, n_g))
+        # Array options per (class, type): unfused, half-sized and fully sized arrays, so
+        # the LP can trade per-trial speed (small B) against throughput (large B).
+        members = np.zeros((n_c, n_g, 3))
+        rate = np.zeros((n_c, n_g, 3))
         dem = np.asarray(demand, dtype=float)
         best_solo: dict[str, float] = {}
         for ci, (_, sig) in enumerate(classes):
@@ -126,9 +134,11 @@ class Scheduler:
                 best_solo[sig] = max(self.throughput.curve(sig, g).solo_steps_per_s for g in types)
             for gi, g in enumerate(types):
                 b = min(self._members(sig, g, memory[g]), int(dem[ci]))
-                members[ci, gi] = b
-                if b > 0 and best_solo[sig] > 0:
-                    rate[ci, gi] = self.throughput.rate(sig, g, b) / best_solo[sig]
+                if b < 1 or best_solo[sig] <= 0:
+                    continue
+                for k, size in enumerate(sorted({1, (b + 1) // 2, b})):
+                    members[ci, gi, k] = size
+                    rate[ci, gi, k] = self.throughput.rate(sig, g, size) / best_solo[sig]
         problem = AllocationProblem(
             weights=np.array([tenants[t] for t in tenant_names], dtype=float),
             capacity=capacity,
@@ -202,9 +212,12 @@ class Scheduler:
             placements = self._fifo(now, trials, by_id, current, busy, devices)
         else:
             problem, types, _ = self.problem(classes, [len(members_of[c]) for c in classes], devices, weights)
-            allocation = solve_allocation(problem, self.fairness)
+            names = tuple(weights)
+            owed = np.array([self._debt.get(n, 0.0) for n in names]) if self._debt else None
+            allocation = solve_allocation(problem, self.fairness, owed)
             solver = allocation.solver_seconds
             placements = self._round(now, allocation, classes, types, members_of, current, busy, devices)
+            self._update_debt(names, allocation, placements, device_by_id, types)
 
         placed = {i for p in placements for i in p.trial_ids}
         before = {p.device_id: p for p, _, _ in current}
@@ -224,6 +237,37 @@ class Scheduler:
             solver_seconds=solver,
             decide_seconds=time.perf_counter() - t_start,
         )
+
+    def _update_debt(
+        self,
+        names: Sequence[str],
+        allocation: Allocation,
+        placements: Sequence[Placement],
+        device_by_id: Mapping[str, Device],
+        types: Sequence[str],
+    ) -> None:
+        """Carry each tenant's shortfall against its equal share into the next round."""
+        realised: dict[str, float] = {}
+        best: dict[str, float] = {}
+        for p in placements:
+            if p.signature not in best:
+                best[p.signature] = max(self.throughput.curve(p.signature, g).solo_steps_per_s for g in types)
+            g = device_by_id[p.device_id].device_type
+            if best[p.signature] > 0:
+                realised[p.tenant] = realised.get(p.tenant, 0.0) + (
+                    self.throughput.rate(p.signature, g, len(p.trial_ids)) / best[p.signature]
+                )
+        debt: dict[str, float] = {}
+        for i, name in enumerate(names):
+            e = float(allocation.equal_share[i])
+            if e <= 0:
+                continue  # no pending work: nothing is owed any more
+            owed = self._debt.get(name, 0.0) + e - realised.get(name, 0.0)
+            # Bounded so that one bad stretch cannot demand more than a round's share.
+            owed = min(max(owed, 0.0), _DEBT_LIMIT * e)
+            if owed > 0:
+                debt[name] = owed
+        self._debt = debt
 
     def _fifo(
         self,
@@ -299,22 +343,41 @@ class Scheduler:
         desired = np.maximum(x + carry, 0.0)
         capacity = np.array([sum(1 for d in devices if d.device_type == g) for g in types])
 
-        # Integer targets per (class, type): floors, then the largest remainders, within
-        # each type's capacity and never more arrays than the class has trials.
-        target = np.floor(desired + 1e-9).astype(int)
+        # Integer targets per (class, type): floors of the allocation (which fit the
+        # capacity by construction), then each type's spare devices to the classes with
+        # the largest fractional part plus rounding debt, never more arrays than trials.
+        # Debt only reorders who gets the spare devices, so a target never exceeds
+        # ceil(x) and classes that were short in earlier rounds are repaid first.
         demand = np.array([len(members_of[c]) for c in classes])
+        # Tenants owed utility (rounding fell short of their equal share) come first for
+        # spare devices: the shortfall is repaid from tenants above their share.
+        owed_bonus = np.array([1.0 + self._debt[c[0]] if c[0] in self._debt else 0.0 for c in classes])
+        # HiGHS returns 3.9999999 for 4: snap within 1e-3 of an integer before flooring.
+        target = np.minimum(np.floor(x + 1e-3).astype(int), demand[:, None])
         for gi in range(n_g):
             col = target[:, gi]
-            col[:] = np.minimum(col, demand)
-            while col.sum() > capacity[gi]:
-                j = int(np.argmax(np.where(col > 0, col - desired[:, gi], -np.inf)))
-                col[j] -= 1
-            spare = capacity[gi] - col.sum()
-            if spare > 0 and n_c:
-                rem = desired[:, gi] - col
-                for j in np.argsort(-rem, kind="stable")[: int(spare)]:
-                    if rem[j] > 1e-9 and col[j] < demand[j]:
-                        col[j] += 1
+            while col.sum() > capacity[gi]:  # only possible through the snap above
+                col[int(np.argmax(np.where(col > 0, col - x[:, gi], -np.inf)))] -= 1
+            spare = int(capacity[gi] - col.sum())
+            if spare <= 0 or n_c == 0:
+                continue
+            frac = x[:, gi] - col
+            eligible = (frac > 1e-3) & (col < demand)
+            priority = np.where(eligible, frac + carry[:, gi] + owed_bonus, -np.inf)
+            for j in np.argsort(-priority, kind="stable")[:spare]:
+                if eligible[j]:
+                    col[j] += 1
+
+        # Trials each (class, type) should hold: as many as the fractional allocation put
+        # there (at least one per array).  Arrays are then sized to split that evenly
+        # (sizes differ by at most one), which is what the concave T(B) rewards.
+        budget = np.maximum(target, np.rint(allocation.members * x).astype(int))
+        budget_used = np.zeros((n_c, n_g), dtype=int)
+
+        def next_size(ci: int, gi: int, cap: int) -> int:
+            arrays_left = max(1, int(target[ci, gi] - placed_count[ci, gi]))
+            left = int(budget[ci, gi] - budget_used[ci, gi])
+            return max(1, min(cap, -(-left // arrays_left)))
 
         queues: dict[tuple[str, str], list[int]] = {
             c: [i for i in members_of[c] if i not in busy] for c in classes
@@ -332,26 +395,34 @@ class Scheduler:
 
         # 1. Keep running arrays: unexpired leases always; expired ones while the class is
         #    still entitled to that many arrays on the type (the lease is then extended).
-        #    Unexpired first, so they count against the target before revocable ones.
+        #    Unexpired first, so they count against the target before revocable ones.  At
+        #    lease end an array is also resized to what the allocation chose: surplus
+        #    members move back to the queue (and onto devices of their own below).
+        survivors: list[tuple[Placement, Device, list[int], int, float]] = []
         for p, d, alive in sorted(current, key=lambda e: (e[0].lease_expires <= now, e[0].device_id)):
             c = (p.tenant, p.signature)
             ci, gi = class_index[c], type_index[d.device_type]
             unexpired = p.lease_expires > now
             if not unexpired and placed_count[ci, gi] >= target[ci, gi]:
                 continue  # preempted: the lease ran out and the class is over its share
-            want = min(self._members(p.signature, d.device_type, d.memory_bytes), self.max_members)
-            ids = fill(c, list(alive), want)  # epoch-boundary refill of freed slots
+            want = next_size(ci, gi, self._members(p.signature, d.device_type, d.memory_bytes))
+            members = list(alive) if unexpired else list(alive)[:want]
             lease = p.lease_expires if unexpired else now + self.lease_seconds
-            placements.append(Placement(d.device_id, p.signature, p.tenant, tuple(ids), lease))
+            survivors.append((p, d, members, want, lease))
+            budget_used[ci, gi] += max(want, len(members))
             placed_count[ci, gi] += 1
             used.add(d.device_id)
-        # Preempted arrays' trials go back to their queues (front: they were running).
-        kept = {i for p in placements for i in p.trial_ids}
+        # Preempted and moved trials go back to the front of their queues (they were
+        # running), before any refill, so that surviving arrays can take them back.
+        kept = {i for _, _, members, _, _ in survivors for i in members}
         for p, _, alive in current:
             back = [i for i in alive if i not in kept]
             if back:
                 c = (p.tenant, p.signature)
                 queues[c] = back + queues[c]
+        for p, d, members, want, lease in survivors:
+            ids = fill((p.tenant, p.signature), members, want)  # epoch-boundary refill
+            placements.append(Placement(d.device_id, p.signature, p.tenant, tuple(ids), lease))
 
         # 2. New arrays up to the targets, most under-served (class, type) first.
         free_by_type: dict[str, list[Device]] = {g: [] for g in types}
@@ -368,10 +439,12 @@ class Scheduler:
             c, g = classes[ci], types[gi]
             while placed_count[ci, gi] < target[ci, gi] and queues[c] and free_by_type[g]:
                 d = free_by_type[g].pop(0)
-                b = self._members(c[1], g, d.memory_bytes)
-                if b < 1:
+                cap = self._members(c[1], g, d.memory_bytes)
+                if cap < 1:
                     continue
+                b = next_size(ci, gi, cap)
                 ids = fill(c, [], b)
+                budget_used[ci, gi] += b
                 placements.append(Placement(d.device_id, c[1], c[0], tuple(ids), now + self.lease_seconds))
                 placed_count[ci, gi] += 1
 
@@ -379,6 +452,7 @@ class Scheduler:
         #    that is most behind its allocation (ties: fastest on this type).  Backfill
         #    leases are already expired, so the next round can reclaim the device.
         behind = (x + carry).sum(axis=1) - placed_count.sum(axis=1)
+        free_left = sum(len(v) for v in free_by_type.values())
         for g in types:
             gi = type_index[g]
             heap = [
@@ -388,6 +462,7 @@ class Scheduler:
             ]
             heapq.heapify(heap)
             for d in free_by_type[g]:
+                free_left -= 1
                 skipped: list[tuple[float, float, int]] = []
                 chosen: int | None = None
                 while heap:
@@ -405,7 +480,9 @@ class Scheduler:
                 if chosen is None:
                     continue
                 c = classes[chosen]
-                ids = fill(c, [], self._members(c[1], g, d.memory_bytes))
+                # Spread the backlog over the free devices: fuse only as much as needed.
+                spread = math.ceil(sum(len(q) for q in queues.values()) / (free_left + 1))
+                ids = fill(c, [], max(1, min(self._members(c[1], g, d.memory_bytes), spread)))
                 placements.append(Placement(d.device_id, c[1], c[0], tuple(ids), now))
                 placed_count[chosen, gi] += 1
                 behind[chosen] -= 1.0
@@ -413,11 +490,12 @@ class Scheduler:
                     heapq.heappush(heap, (-float(behind[chosen]), -float(x[chosen, gi] > 0), chosen))
 
         # Rounding debt for the next round (classes that vanished are forgotten).
+        # A class whose every trial is placed is owed nothing: it could not have used more.
         self._carry = {
             (c, g): float(np.clip(desired[ci, gi] - placed_count[ci, gi], -_CARRY_LIMIT, _CARRY_LIMIT))
             for ci, c in enumerate(classes)
             for gi, g in enumerate(types)
-            if x[ci, gi] > 0 or placed_count[ci, gi] > 0 or abs(carry[ci, gi]) > 1e-9
+            if queues[c] and (x[ci, gi] > 0 or placed_count[ci, gi] > 0 or abs(carry[ci, gi]) > 1e-9)
         }
         return placements
 

@@ -1,0 +1,97 @@
+"""Calibrated fused-array speed-up curves for the simulator's job types.
+
+Solo speeds come from Gavel's measurements (steps/s of 26 job types on K80, P100, V100).
+The marginal cost ``c`` of one more fused member (see :mod:`scheduler._throughput`) is
+
+    c(job, gpu) = max(c_floor(gpu), c_pair(job, gpu))
+
+* ``c_pair`` is measured: Gavel co-located two copies of the same job on one GPU; their
+  combined normalised throughput ``S2 = (own + other) / solo`` is ``T(2)/T(1) = 2/(1+c)``,
+  so ``c_pair = 2/S2 − 1`` (clamped to [0, 1]).  Co-location is a *lower bound* on what
+  horizontal fusion achieves (HFTA fuses kernels instead of time-slicing them), so this
+  is conservative.  ``S2 = 0`` means the pair ran out of memory: that job never fuses.
+* ``c_floor`` caps the best case at HFTA's measured curves: PointNet gains about 5× at
+  B = 9 on a V100 (``c = 0.1``) and about 13× at B = 25 on an A100 (``c = 1/26``).  A model
+  occupies a fraction of a GPU inversely proportional to the GPU's speed, so
+  ``c_floor(gpu) = 0.1 · peak(V100) / peak(gpu)`` with FP32 peaks K80 (one GK210 die)
+  4.37, P100 9.3, V100 15.7 TFLOPS; the A100 point gives it an effective peak of 40.8.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler._throughput import SpeedupCurve
+
+__all__ = [
+    "HFTA_POINTNET_V100_MARGINAL_COST",
+    "PEAK_TFLOPS",
+    "GPU_MEMORY_BYTES",
+    "JobTypeCurves",
+    "marginal_cost_floor",
+    "load_job_type_curves",
+]
+
+HFTA_POINTNET_V100_MARGINAL_COST = 0.1  # 9 / (1 + 8c) = 5  =>  c = 0.1
+PEAK_TFLOPS: Mapping[str, float] = {"k80": 4.37, "p100": 9.3, "v100": 15.7, "a100": 40.8}
+GPU_MEMORY_BYTES: Mapping[str, int] = {"k80": 12 << 30, "p100": 16 << 30, "v100": 16 << 30, "a100": 40 << 30}
+
+
+def marginal_cost_floor(gpu: str) -> float:
+    """Smallest c any job reaches on ``gpu`` (HFTA's PointNet, scaled by GPU speed)."""
+    return min(1.0, HFTA_POINTNET_V100_MARGINAL_COST * PEAK_TFLOPS["v100"] / PEAK_TFLOPS[gpu])
+
+
+@dataclass(frozen=True)
+class JobTypeCurves:
+    """Speed-up curves of every job type on every GPU type, plus the raw pair factors."""
+
+    curves: Mapping[tuple[str, str], SpeedupCurve]  # (job type, gpu) -> curve
+    pair_speedup: Mapping[tuple[str, str], float]  # (job type, gpu) -> S2 (0 = OOM)
+
+    @property
+    def job_types(self) -> tuple[str, ...]:
+        return tuple(sorted({j for j, _ in self.curves}))
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        return tuple(sorted({g for _, g in self.curves}))
+
+
+def load_job_type_curves(data_dir: Path) -> JobTypeCurves:
+    """Build the calibrated curves from ``gavel_simulation_throughputs.json`` (scale 1)."""
+    raw = json.loads((data_dir / "gavel_simulation_throughputs.json").read_text())
+    solo: dict[tuple[str, str], float] = {}
+    with (data_dir / "gavel_isolated_throughputs.csv").open() as fh:
+        for row in csv.DictReader(fh):
+            if int(row["scale_factor"]) != 1:
+                continue  # trials are single-device
+            for gpu in ("k80", "p100", "v100"):
+                solo[(row["job_type"], gpu)] = float(row[f"{gpu}_steps_per_s"])
+    curves: dict[tuple[str, str], SpeedupCurve] = {}
+    pair: dict[tuple[str, str], float] = {}
+    for (job, gpu), t1 in solo.items():
+        key = str((job, 1))
+        entry = raw[gpu][key]
+        own, other = entry.get(key, [0.0, 0.0])
+        s2 = (own + other) / entry["null"] if entry["null"] > 0 else 0.0
+        pair[(job, gpu)] = s2
+        memory = GPU_MEMORY_BYTES[gpu]
+        if s2 <= 0:
+            # Two copies did not fit: one member takes the whole device.
+            curves[(job, gpu)] = SpeedupCurve(t1, 1.0, base_bytes=0, member_bytes=memory)
+            continue
+        c_pair = min(1.0, max(0.0, 2.0 / s2 - 1.0))
+        curves[(job, gpu)] = SpeedupCurve(t1, max(marginal_cost_floor(gpu), c_pair))
+    return JobTypeCurves(curves=curves, pair_speedup=pair)
+
+
+def parse_job_key(key: str) -> tuple[str, int]:
+    """Parse Gavel's ``"('ResNet-18 (batch size 32)', 1)"`` keys."""
+    job, scale = ast.literal_eval(key)
+    return str(job), int(scale)

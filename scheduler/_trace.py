@@ -1,0 +1,94 @@
+"""Philly trace → tuning studies and trials, the simulator's workload.
+
+Mapping (documented in docs/scheduling.md):
+
+* the slice is every Philly job submitted in ``[start, start + hours)`` whose duration is
+  in ``[min_duration, max_duration]`` seconds (drops crashed sub-minute jobs and the
+  multi-day tail that would make a run take hours);
+* each job becomes one tuning *study* of its virtual cluster (the *tenant*), arriving at
+  the job's submission time (relative to the slice start);
+* the study has ``trials_per_study × num_gpus`` trials of one job type, drawn uniformly
+  at random (seeded) from Gavel's 26 job types, as Gavel's own trace generator does.  All
+  trials of the type share one signature (same model, same array-wide settings,
+  different lr/...).  A k-GPU job contributes k single-device trials per repetition, so
+  the study's GPU time is ``trials_per_study × gpu_time``;
+* each trial repeats one GPU's share of the job: it needs ``duration × P100 solo
+  steps/s`` steps (Philly's fleet was P100/P40-class), i.e. the job's duration on a P100.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["TraceStudy", "TraceTrial", "load_philly_studies"]
+
+
+@dataclass(frozen=True)
+class TraceTrial:
+    """One simulated trial: the work it needs in steps of its job type."""
+
+    trial_id: int
+    study_id: int
+    tenant: str
+    job_type: str
+    arrival: float
+    steps: float
+
+
+@dataclass(frozen=True)
+class TraceStudy:
+    """One simulated tuning study (one Philly job)."""
+
+    study_id: int
+    tenant: str
+    job_type: str
+    arrival: float
+    trial_ids: tuple[int, ...]
+
+
+def load_philly_studies(
+    trace_csv: Path,
+    job_types: Sequence[str],
+    reference_steps_per_s: dict[str, float],
+    *,
+    start: str = "2017-11-01",
+    hours: float = 24.0,
+    trials_per_study: int = 4,
+    min_duration: float = 60.0,
+    max_duration: float = 86_400.0,
+    seed: int = 0,
+) -> tuple[list[TraceStudy], list[TraceTrial]]:
+    """Load a slice of ``philly_jobs.csv`` as studies and trials (see module docstring)."""
+    if trials_per_study < 1:
+        raise ValueError(f"trials_per_study must be >= 1, got {trials_per_study}")
+    t0 = dt.datetime.fromisoformat(start)
+    t1 = t0 + dt.timedelta(hours=hours)
+    rows = []
+    with trace_csv.open() as fh:
+        for row in csv.DictReader(fh):
+            ts = dt.datetime.fromisoformat(row["timestamp"])
+            duration = float(row["duration"])
+            if t0 <= ts < t1 and min_duration <= duration <= max_duration:
+                rows.append((ts, row["cluster"], duration, max(1, int(row["num_gpus"]))))
+    rows.sort()
+    rng = random.Random(seed)
+    types = sorted(job_types)
+    studies: list[TraceStudy] = []
+    trials: list[TraceTrial] = []
+    for sid, (ts, tenant, duration, gpus) in enumerate(rows):
+        job_type = rng.choice(types)
+        arrival = (ts - t0).total_seconds()
+        ids = []
+        for _ in range(trials_per_study * gpus):
+            tid = len(trials)
+            ids.append(tid)
+            trials.append(
+                TraceTrial(tid, sid, tenant, job_type, arrival, duration * reference_steps_per_s[job_type])
+            )
+        studies.append(TraceStudy(sid, tenant, job_type, arrival, tuple(ids)))
+    return studies, trials

@@ -1,0 +1,125 @@
+"""``python -m scheduler.sim``: replay a Philly slice on a cluster, one table row per policy.
+
+Example::
+
+    python -m scheduler.sim --cluster k80=36,p100=36,v100=36 --start 2017-11-01 --hours 24
+
+The workload mapping, the fused speed-up calibration and every metric are defined in
+docs/scheduling.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from scheduler._calibration import GPU_MEMORY_BYTES, load_job_type_curves
+from scheduler._scheduler import POLICIES
+from scheduler._simulator import SimResult, simulate
+from scheduler._trace import load_philly_studies
+
+DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+DEFAULT_POLICIES = ("fifo", "gavel", "oef", "fusion-greedy", "fusetune")
+
+
+def parse_cluster(spec: str) -> dict[str, int]:
+    """``"k80=36,p100=36,v100=36"`` -> ``{"k80": 36, ...}``."""
+    cluster: dict[str, int] = {}
+    for part in spec.split(","):
+        name, _, count = part.partition("=")
+        name = name.strip().lower()
+        if name not in GPU_MEMORY_BYTES or not count.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"bad cluster entry {part!r} (known types: {sorted(GPU_MEMORY_BYTES)})")
+        cluster[name] = int(count)
+    return cluster
+
+
+def format_table(results: Sequence[SimResult], baseline: str = "gavel") -> str:
+    """A Markdown table, one row per policy."""
+    ref = {r.policy: r for r in results}
+    head = (
+        "| policy | norm. eff. throughput | × gavel | × fifo | avg JCT (h) | p99 JCT (h) | makespan (h) "
+        "| Jain | min SI ratio | max envy | max ρ | solver ms/round (mean / max) |"
+    )
+    sep = "|" + "---|" * 12
+    rows = [head, sep]
+    for r in results:
+        def ratio(other: str) -> str:
+            return f"{r.norm_throughput / ref[other].norm_throughput:.2f}" if other in ref and ref[other].norm_throughput else "-"
+
+        rows.append(
+            f"| {r.policy} | {r.norm_throughput:.2f} | {ratio(baseline)} | {ratio('fifo')} | {r.avg_jct_h:.2f} "
+            f"| {r.p99_jct_h:.2f} | {r.makespan_h:.1f} | {r.jain:.3f} | {r.si_min:.2f} | {r.max_envy:.3f} "
+            f"| {r.rho_max:.2f} | {r.solver_ms_mean:.1f} / {r.solver_ms_max:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scheduler.sim", description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", type=parse_cluster, default=parse_cluster("k80=36,p100=36,v100=36"))
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder with philly_jobs.csv and the Gavel files")
+    parser.add_argument("--start", default="2017-11-01", help="slice start (trace time, ISO date)")
+    parser.add_argument("--hours", type=float, default=24.0, help="slice length: jobs submitted within this window")
+    parser.add_argument("--trials-per-study", type=int, default=4)
+    parser.add_argument("--min-duration", type=float, default=60.0)
+    parser.add_argument("--max-duration", type=float, default=86_400.0)
+    parser.add_argument("--round", type=float, default=360.0, help="round length in seconds")
+    parser.add_argument("--max-members", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    args = parser.parse_args(argv)
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        parser.error(f"unknown policies {unknown}; choose from {sorted(POLICIES)}")
+    calib = load_job_type_curves(args.data)
+    reference = {j: calib.curves[(j, "p100")].solo_steps_per_s for j in calib.job_types}
+    studies, trials = load_philly_studies(
+        args.data / "philly_jobs.csv",
+        calib.job_types,
+        reference,
+        start=args.start,
+        hours=args.hours,
+        trials_per_study=args.trials_per_study,
+        min_duration=args.min_duration,
+        max_duration=args.max_duration,
+        seed=args.seed,
+    )
+    cluster_txt = ",".join(f"{g}={n}" for g, n in args.cluster.items())
+    print(
+        f"trace: {len(studies)} studies / {len(trials)} trials from philly_jobs.csv, "
+        f"{args.start} + {args.hours:g} h, durations in [{args.min_duration:g}, {args.max_duration:g}] s, "
+        f"{len({s.tenant for s in studies})} tenants; cluster {cluster_txt}; round {args.round:g} s",
+        file=sys.stderr,
+    )
+    results = []
+    for policy in policies:
+        t0 = time.perf_counter()
+        res = simulate(
+            policy,
+            studies,
+            trials,
+            calib.curves,
+            args.cluster,
+            GPU_MEMORY_BYTES,
+            round_seconds=args.round,
+            max_members=args.max_members,
+            seed=args.seed,
+        )
+        print(f"  {policy}: {res.rounds} rounds in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        results.append(res)
+    print(format_table(results))
+    print()
+    print("sharing-incentive ratio per tenant (u_i / u_i(equal share)):")
+    for r in results:
+        print(f"  {r.policy}: " + ", ".join(f"{t}={v:.2f}" for t, v in sorted(r.si_by_tenant.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
