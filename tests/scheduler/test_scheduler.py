@@ -135,31 +135,39 @@ def test_sharing_incentive_and_envy_freeness(inst, policy: str) -> None:
     assert np.all(u >= e - 1e-5 * np.maximum(1.0, e))
     if policy in ("oef", "oef-noncooperative", "fusetune"):
         names = [t.name for t in tenants]
-        weights = np.array([t.weight for t in tenants])
-        x = alloc.devices
-        owner = np.array([names.index(t) for t, _ in decision.classes], dtype=int)
-        n_t, n_g = len(names), len(decision.device_types)
-        bundle = np.zeros((n_t, n_g))
-        value = np.zeros((n_t, n_g))
-        rate = sched.problem(
-            decision.classes,
-            [sum(1 for tr in trials if (tr.tenant, tr.signature) == c) for c in decision.classes],
-            devices,
-            {t.name: t.weight for t in tenants},
-        )[0].rate
-        for ci in range(len(decision.classes)):
-            bundle[owner[ci]] += x[ci]
-            value[owner[ci]] = np.maximum(value[owner[ci]], rate[ci].max(axis=1))
-        active = np.zeros(n_t, dtype=bool)
-        active[owner] = True
-        # Only a tenant with trials left unheld can envy: the others could not use more.
-        for i in np.flatnonzero(active & ~alloc.saturated & alloc.unmet):
-            own = value[i] @ bundle[i] / weights[i]
-            for j in np.flatnonzero(active):
-                if policy == "oef-noncooperative":
-                    usable = value[i] > 0
-                    assert np.all(bundle[i, usable] / weights[i] >= bundle[j, usable] / weights[j] - 1e-6)
-                assert own >= value[i] @ bundle[j] / weights[j] - 1e-6 * max(1.0, own)
+        weights = {t.name: t.weight for t in tenants}
+        demand = [sum(1 for tr in trials if (tr.tenant, tr.signature) == c) for c in decision.classes]
+        problem = sched.problem(decision.classes, demand, devices, weights)[0]
+        owner = problem.class_tenant
+        bundle = np.zeros((len(names), problem.n_types))
+        for ci in range(problem.n_classes):
+            bundle[owner[ci]] += alloc.devices[ci]
+        for i in np.flatnonzero(alloc.unmet & ~alloc.saturated):
+            own = _best_use(problem, i, bundle[i])
+            for j in set(owner.tolist()) - {i}:
+                scaled = bundle[j] * problem.weights[i] / problem.weights[j]
+                # Envy with the tenant's real valuation: the best it could do with the
+                # other bundle given its own trials (it cannot use more than it has).
+                assert _best_use(problem, i, scaled) <= own + 1e-5 * max(1.0, own), (i, j)
+
+
+def _best_use(problem, tenant: int, bundle: np.ndarray) -> float:
+    """u_i(bundle): tenant's best normalised throughput on ``bundle`` devices (an LP)."""
+    from scipy.optimize import linprog
+
+    cls, typ, opt = np.nonzero((problem.members > 0) & (problem.class_tenant[:, None, None] == tenant))
+    if cls.size == 0:
+        return 0.0
+    rows = []
+    rhs = []
+    for g in range(problem.n_types):
+        rows.append((typ == g).astype(float))
+        rhs.append(bundle[g])
+    for c in np.unique(cls):
+        rows.append(np.where(cls == c, problem.members[cls, typ, opt], 0.0))
+        rhs.append(problem.demand[c])
+    res = linprog(-problem.rate[cls, typ, opt], A_ub=np.array(rows), b_ub=np.array(rhs), method="highs")
+    return float(-res.fun)
 
 
 def test_weighted_tenants_share_in_proportion() -> None:
