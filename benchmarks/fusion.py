@@ -12,8 +12,9 @@ and the ratio to serial training of the same B models, for:
   slightly less work than the others; ``n/a`` where vmap has no batching rule.
 
 Measurements are pairwise interleaved: each round times every path for the
-same number of steps back to back, and the median over rounds is reported, so
-slow drifts of a shared machine hit all paths alike.
+same number of steps back to back; the ratio to serial is computed within
+each round and the median over rounds reported (throughput: the median), so
+load from other jobs on a shared machine hits the compared paths alike.
 
 Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm]
        [--members 1,2,4,8,16] [--steps 10] [--rounds 3] [--batch 64]
@@ -214,7 +215,9 @@ PATHS = {"serial": serial_step, "fused": fused_step, "func": func_step}
 # ----------------------------------------------------------------------------- driver
 
 
-def measure(name: str, b: int, batch: int, steps: int, rounds: int, paths: list[str]) -> dict[str, float | None]:
+def measure(name: str, b: int, batch: int, steps: int, rounds: int,
+            paths: list[str]) -> dict[str, tuple[float | None, float | None]]:
+    """Per path: (median models·steps/s, median over rounds of the per-round ratio to serial)."""
     work = WORKLOADS[name]
     torch.manual_seed(0)
     x, y = work.make_batch(batch)
@@ -223,10 +226,11 @@ def measure(name: str, b: int, batch: int, steps: int, rounds: int, paths: list[
     for p in paths:
         runners[p] = PATHS[p]([copy.deepcopy(m) for m in models], x, y)
         if runners[p] is not None:
-            runners[p]()  # warm-up (and the fused model's dry run)
+            for _ in range(2):
+                runners[p]()  # warm-up (and the fused model's dry run)
     times: dict[str, list[float]] = {p: [] for p in paths}
     for _ in range(rounds):
-        for p in paths:  # interleaved: every path once per round
+        for p in paths:  # interleaved: every path once per round, back to back
             run = runners[p]
             if run is None:
                 continue
@@ -234,7 +238,18 @@ def measure(name: str, b: int, batch: int, steps: int, rounds: int, paths: list[
             for _ in range(steps):
                 run()
             times[p].append(time.perf_counter() - start)
-    return {p: (b * steps / statistics.median(t) if t else None) for p, t in times.items()}
+    out: dict[str, tuple[float | None, float | None]] = {}
+    for p, t in times.items():
+        if not t:
+            out[p] = (None, None)
+            continue
+        ratio = None
+        if times.get("serial"):
+            # Ratio within each round (adjacent measurements), then the median:
+            # robust to other jobs loading the shared machine for a while.
+            ratio = statistics.median(s / v for s, v in zip(times["serial"], t))
+        out[p] = (b * steps / statistics.median(t), ratio)
+    return out
 
 
 def main() -> None:
@@ -244,7 +259,7 @@ def main() -> None:
     parser.add_argument("--paths", default="serial,fused,func")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     args = parser.parse_args()
     if args.threads:
@@ -258,12 +273,10 @@ def main() -> None:
     for name in args.models.split(","):
         for b in (int(v) for v in args.members.split(",")):
             res = measure(name, b, args.batch, args.steps, args.rounds, paths)
-            base = res.get("serial")
             row = f"{name:<12}{b:>3}"
             for p in paths:
-                v = res[p]
-                ratio = f"{v / base:.2f}x" if v and base else "n/a"
-                row += f"{(f'{v:.1f}' if v else 'n/a'):>16}{ratio:>10}"
+                v, r = res[p]
+                row += f"{(f'{v:.1f}' if v else 'n/a'):>16}{(f'{r:.2f}x' if r else 'n/a'):>10}"
             print(row, flush=True)
 
 

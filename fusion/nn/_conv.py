@@ -65,12 +65,30 @@ class _ConvBase(FusedLayer):
 
 
 class Conv(_ConvBase):
-    """B ``nn.ConvNd`` layers as one grouped convolution over ``B*C`` channels.
+    """B ``nn.ConvNd`` layers, computed one of two ways (same result):
 
-    The member axis moves from the batch into the channel axis for the
-    convolution and back, so members never see each other's channels
-    (``groups`` is multiplied by B).
+    - ``"grouped"``: the member axis moves from the batch into the channel axis
+      and one grouped convolution (``groups * B``) runs for all members. One
+      kernel call, but two layout copies and CPU grouped-conv kernels that are
+      slow on large feature maps.
+    - ``"loop"``: one convolution per member on its contiguous block of rows
+      (``chunk``; the backward is a single ``cat``). Best where each
+      convolution is big enough to keep the cores busy.
+
+    ``impl="auto"`` (default) picks per call: grouped while a member's input
+    sample is small (below ``GROUPED_MAX_SAMPLE`` elements, where per-call
+    overhead dominates), loop above. Measured on a 2-core CPU; see
+    docs/benchmarks.md.
     """
+
+    #: Largest per-sample input (C*H*W elements) for which "auto" uses grouped.
+    GROUPED_MAX_SAMPLE = 2048
+    impl: str = "auto"
+
+    def _use_grouped(self, input: torch.Tensor) -> bool:
+        if self.impl != "auto":
+            return self.impl == "grouped"
+        return input[0].numel() <= self.GROUPED_MAX_SAMPLE
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dim() != self.dims + 2:
@@ -83,11 +101,16 @@ class Conv(_ConvBase):
             # Same as torch: pad explicitly, then convolve without padding.
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0 if isinstance(self.padding, str) else (0,) * self.dims
+        conv = _CONV_FN[self.dims]
+        if not self._use_grouped(x):
+            biases = [None] * b if self.bias is None else self.bias.unbind(0)
+            return torch.cat([
+                conv(xb, wb, bb, self.stride, padding, self.dilation, self.groups)
+                for xb, wb, bb in zip(x.chunk(b), self.weight.unbind(0), biases)
+            ])
         w = self.weight.reshape(b * self.out_channels, *self.weight.shape[2:])
         bias = None if self.bias is None else self.bias.reshape(-1)
-        y = _CONV_FN[self.dims](
-            _to_channels(x, b), w, bias, self.stride, padding, self.dilation, self.groups * b
-        )
+        y = conv(_to_channels(x, b), w, bias, self.stride, padding, self.dilation, self.groups * b)
         return _from_channels(y, b)
 
 

@@ -24,6 +24,11 @@ class BatchNorm(FusedLayer):
     """
 
     per_member_attrs = frozenset({"momentum"})
+    #: "channels": one F.batch_norm over [N, B*C, ...] (two layout copies);
+    #: "loop": one F.batch_norm per member on its contiguous rows (no copies
+    #: but B kernel calls); "auto" picks loop for large per-sample inputs.
+    impl: str = "auto"
+    LOOP_MIN_SAMPLE = 2048
 
     def __init__(self, num_members: int, bn: nn.modules.batchnorm._BatchNorm) -> None:
         super().__init__(num_members)
@@ -89,6 +94,9 @@ class BatchNorm(FusedLayer):
             running_mean = self.running_mean.view(-1)
             running_var = self.running_var.view(-1)
         uniform = factors is None or all(f == factors[0] for f in factors)
+        use_loop = self.impl == "loop" or (self.impl == "auto" and input[0].numel() >= self.LOOP_MIN_SAMPLE)
+        if use_loop and (not update or uniform):
+            return self._forward_loop(input, use_batch_stats, 0.0 if factors is None else factors[0])
         if not update or uniform:
             y = F.batch_norm(
                 x, running_mean, running_var, weight, bias, use_batch_stats,
@@ -107,6 +115,19 @@ class BatchNorm(FusedLayer):
                 running_mean.mul_(1 - f).add_(batch_mean * f)
                 running_var.mul_(1 - f).add_(batch_var * f)
         return y.reshape(n, b, c, *input.shape[2:]).transpose(0, 1).reshape(input.shape)
+
+    def _forward_loop(self, input: torch.Tensor, use_batch_stats: bool, factor: float) -> torch.Tensor:
+        """One F.batch_norm per member on its rows; running stats updated in place via row views."""
+        b = self.num_members
+        track = self.running_mean is not None and (not self.training or self.track_running_stats)
+        means = self.running_mean.unbind(0) if track else [None] * b
+        varis = self.running_var.unbind(0) if track else [None] * b
+        weights = self.weight.unbind(0) if self.weight is not None else [None] * b
+        biases = self.bias.unbind(0) if self.bias is not None else [None] * b
+        return torch.cat([
+            F.batch_norm(xb, rm, rv, w, bb, use_batch_stats, factor, self.eps)
+            for xb, rm, rv, w, bb in zip(input.chunk(b), means, varis, weights, biases)
+        ])
 
 
 class LayerNorm(FusedLayer):

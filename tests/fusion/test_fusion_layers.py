@@ -272,3 +272,24 @@ def test_seq_first_model_input_is_refused_clearly():
     fused = fusion.fuse([nn.Sequential(nn.LSTM(3, 4)) for _ in range(2)])
     with pytest.raises(fusion.FusionError, match="batch axis"):
         fused(torch.randn(2, 5, 6, 3))
+
+
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_conv_and_batchnorm_implementations(impl, monkeypatch):
+    """Both per-layer strategies ("auto" picks by size) are exact."""
+    monkeypatch.setattr(fusion.nn.Conv, "impl", impl)
+    monkeypatch.setattr(fusion.nn.BatchNorm, "impl", "loop" if impl == "loop" else "channels")
+    ref, fused = sgd()
+    for name in ("conv1d_pools", "conv3d_bn3d", "bn1d_3d_input"):
+        factory, in_shape = LAYER_MODELS[name]
+        run_equivalence(factory, cls_batch(in_shape), ref, fused, b=B)
+
+
+@pytest.mark.parametrize("impl", ["native", "batched"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_rnn_implementations(impl, kind, monkeypatch):
+    monkeypatch.setattr(fusion.nn.LSTM if kind == "lstm" else fusion.nn.GRU, "impl", impl)
+    ref, fused = sgd()
+    for batch_first, bidirectional in ((True, True), (False, False)):
+        run_equivalence(lambda: RNNLM(kind, batch_first=batch_first, bidirectional=bidirectional), lm_batch(),
+                        ref, fused, b=B)
