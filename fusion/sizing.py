@@ -1,0 +1,302 @@
+"""Array sizing: how many members to fuse on a device, from dry runs.
+
+``size_array`` answers two questions for one model signature on one device
+type and caches the answer per (signature, device type):
+
+1. The largest B that fits. A memory model ``bytes(B) = base + B * member``
+   is fitted from dry runs at B = 1 and 2 (CUDA: the allocator's peak; CPU:
+   parameters, gradients, optimizer state and the tensors autograd saves for
+   backward) and the largest candidate under the limit minus headroom is then
+   checked by a real training step (on CUDA an out-of-memory steps B down).
+2. The B with the highest measured models·steps/s among those that fit,
+   each timed interleaved with an ordinary unfused model so load from other
+   jobs hits both alike. If no fused B beats the unfused model by
+   ``min_gain``, ``fusion_pays`` is False and ``best_members`` is 1: the
+   scheduler should run members unfused (or in parallel) on that device.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._errors import FusionError
+from ._functional import broadcast, per_member_loss
+from ._model import FusedModel, fuse
+from . import optim as fused_optim
+
+OptimizerName = str
+
+_TORCH_OPT = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+_FUSED_OPT = {"sgd": fused_optim.SGD, "adam": fused_optim.Adam, "adamw": fused_optim.AdamW}
+
+
+@dataclass(frozen=True)
+class SizingResult:
+    """Outcome of :func:`size_array` for one (signature, device type)."""
+
+    signature: str
+    device_type: str
+    batch_size: int
+    #: Memory model, bytes(B) = base_bytes + B * member_bytes.
+    base_bytes: int
+    member_bytes: int
+    #: Bytes B may use: the device's available memory minus headroom.
+    memory_limit: int
+    #: Largest candidate B that fits.
+    max_members: int
+    #: Measured fused models·steps/s per B (B members each doing a step = B).
+    throughput: dict[int, float] = field(default_factory=dict)
+    #: models·steps/s of one ordinary, unfused model.
+    solo_steps_per_s: float = 0.0
+    #: Fused / unfused throughput, median of per-round ratios, per B.
+    speedup: dict[int, float] = field(default_factory=dict)
+    #: B to run: the fastest fitting B, or 1 (unfused) when fusion does not pay.
+    best_members: int = 1
+    #: Whether some fused B beats the unfused model on this device.
+    fusion_pays: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-friendly form (dict keys as strings)."""
+        out = asdict(self)
+        out["throughput"] = {str(k): v for k, v in self.throughput.items()}
+        out["speedup"] = {str(k): v for k, v in self.speedup.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SizingResult:
+        data = dict(data)
+        data["throughput"] = {int(k): float(v) for k, v in data["throughput"].items()}
+        data["speedup"] = {int(k): float(v) for k, v in data["speedup"].items()}
+        return cls(**data)
+
+
+_CACHE: dict[tuple[str, str], SizingResult] = {}
+
+
+def clear_cache() -> None:
+    """Forget every cached sizing result (in memory)."""
+    _CACHE.clear()
+
+
+def model_signature(model: nn.Module, example_input: torch.Tensor, optimizer: str, batch_size: int) -> str:
+    """Hash of what decides speed and memory: class, parameter shapes, input, optimizer."""
+    parts = [type(model).__module__ + "." + type(model).__qualname__, optimizer, str(batch_size),
+             str(tuple(example_input.shape[1:])), str(example_input.dtype)]
+    parts += [f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in model.state_dict().items()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+class _Array:
+    """A fused array of B fresh members with its optimizer and a training step."""
+
+    def __init__(self, factory: Callable[[], nn.Module], b: int, device: torch.device, optimizer: str,
+                 lr: float, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.fused: FusedModel = fuse([factory() for _ in range(b)]).to(device)
+        self.opt = _FUSED_OPT[optimizer](self.fused.parameters(), lr=lr)
+        self.x, self.y = broadcast(x, b), broadcast(y, b)
+        self.loss_fn = loss_fn
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        per_member_loss(self.loss_fn, self.fused(self.x), self.y).sum().backward()
+        self.opt.step()
+
+    def state_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        tensors: list[torch.Tensor] = list(self.fused.parameters()) + list(self.fused.buffers())
+        tensors += [p.grad for p in self.fused.parameters() if p.grad is not None]
+        for state in self.opt.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def saved_activation_bytes(self) -> int:
+        """Bytes of the tensors autograd keeps for backward during one forward."""
+        seen: set[int] = set()
+        total = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = per_member_loss(self.loss_fn, self.fused(self.x), self.y).sum()
+        loss.backward()
+        return total[0]
+
+
+def _measure_bytes(array: _Array, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        array.step()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - before + array.state_bytes())
+    array.step()
+    return array.state_bytes() + array.saved_activation_bytes()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def size_array(
+    model_factory: Callable[[], nn.Module],
+    example_input: torch.Tensor,
+    example_target: torch.Tensor,
+    *,
+    device: str | torch.device = "cpu",
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
+    optimizer: OptimizerName = "adam",
+    lr: float = 1e-3,
+    candidates: Sequence[int] = (1, 2, 4, 8, 16),
+    memory_limit: int | None = None,
+    headroom: float = 0.2,
+    steps: int = 3,
+    rounds: int = 3,
+    min_gain: float = 1.02,
+    signature: str | None = None,
+    cache: bool = True,
+    cache_path: str | os.PathLike[str] | None = None,
+) -> SizingResult:
+    """Size a fused array of ``model_factory()`` models for one device type.
+
+    ``example_input``/``example_target`` are one batch ``[N, ...]`` (shared by
+    all members during the dry runs). ``memory_limit`` overrides the bytes
+    available on the device (default: free CUDA memory, or MemAvailable on
+    CPU); ``headroom`` is the fraction of it kept free. Results are cached in
+    memory per (signature, device type), and in ``cache_path`` (JSON) if given.
+    """
+    dev = torch.device(device)
+    if optimizer not in _FUSED_OPT:
+        raise FusionError(f"optimizer must be one of {sorted(_FUSED_OPT)}, got {optimizer!r}")
+    cands = sorted({int(c) for c in candidates if int(c) >= 1})
+    if not cands:
+        raise FusionError("candidates must contain at least one B >= 1")
+    probe_model = model_factory()
+    sig = signature or model_signature(probe_model, example_input, optimizer, example_input.shape[0])
+    key = (sig, dev.type)
+    file_cache: dict[str, Any] = {}
+    if cache_path is not None and Path(cache_path).exists():
+        file_cache = json.loads(Path(cache_path).read_text())
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    if cache and f"{sig}@{dev.type}" in file_cache:
+        result = SizingResult.from_json(file_cache[f"{sig}@{dev.type}"])
+        _CACHE[key] = result
+        return result
+
+    x = example_input.to(dev)
+    y = example_target.to(dev)
+    # Memory model from B = 1 and B = 2.
+    sizes = []
+    for b in (1, 2):
+        array = _Array(model_factory, b, dev, optimizer, lr, x, y, loss_fn)
+        sizes.append(_measure_bytes(array, dev))
+        del array
+    member = max(sizes[1] - sizes[0], 1)
+    base = max(sizes[0] - member, 0)
+    available = memory_limit if memory_limit is not None else _available_bytes(dev)
+    limit = int(available * (1.0 - headroom))
+    fitting = [b for b in cands if base + b * member <= limit]
+    if not fitting:
+        raise FusionError(
+            f"not even B={cands[0]} fits: needs ~{base + cands[0] * member} bytes, {limit} available"
+        )
+    # Check the model by a real step at the largest size (CUDA: step down on OOM).
+    while fitting:
+        try:
+            _Array(model_factory, fitting[-1], dev, optimizer, lr, x, y, loss_fn).step()
+            break
+        except torch.cuda.OutOfMemoryError:
+            fitting.pop()
+            torch.cuda.empty_cache()
+    if not fitting:
+        raise FusionError("no candidate size survived a real training step")
+    max_members = fitting[-1]
+
+    # Throughput: each fused B interleaved with an unfused model.
+    solo = copy.deepcopy(probe_model).to(dev)
+    solo_opt = _TORCH_OPT[optimizer](solo.parameters(), lr=lr)
+
+    def solo_step() -> None:
+        solo_opt.zero_grad(set_to_none=True)
+        loss_fn(solo(x), y).backward()
+        solo_opt.step()
+
+    def timed(fn: Callable[[], None]) -> float:
+        _sync(dev)
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        _sync(dev)
+        return time.perf_counter() - start
+
+    solo_step()
+    throughput: dict[int, float] = {}
+    speedup: dict[int, float] = {}
+    solo_times: list[float] = []
+    for b in fitting:
+        array = _Array(model_factory, b, dev, optimizer, lr, x, y, loss_fn)
+        array.step()  # warm-up and dry run
+        fused_t, solo_t = [], []
+        for _ in range(rounds):
+            solo_t.append(timed(solo_step))
+            fused_t.append(timed(array.step))
+        solo_times += solo_t
+        throughput[b] = b * steps / statistics.median(fused_t)
+        speedup[b] = statistics.median(b * s / f for s, f in zip(solo_t, fused_t))
+        del array
+    solo_rate = steps / statistics.median(solo_times)
+    best = max(speedup, key=lambda b: speedup[b])
+    pays = speedup[best] >= min_gain and best > 1
+    result = SizingResult(
+        signature=sig, device_type=dev.type, batch_size=int(example_input.shape[0]),
+        base_bytes=int(base), member_bytes=int(member), memory_limit=limit, max_members=max_members,
+        throughput=throughput, solo_steps_per_s=solo_rate, speedup=speedup,
+        best_members=best if pays else 1, fusion_pays=pays,
+    )
+    if cache:
+        _CACHE[key] = result
+    if cache_path is not None:
+        file_cache[f"{sig}@{dev.type}"] = result.to_json()
+        Path(cache_path).write_text(json.dumps(file_cache, indent=1, sort_keys=True))
+    return result

@@ -1,0 +1,55 @@
+"""Array sizing: structure, memory cap and caching (never speed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fusion
+from fusion import sizing
+
+
+def small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_size_array_structure_and_cache(tmp_path):
+    sizing.clear_cache()
+    calls = [0]
+
+    def factory():
+        calls[0] += 1
+        return small_mlp()
+
+    x, y = torch.randn(8, 4, 4), torch.randint(0, 3, (8,))
+    path = tmp_path / "sizing.json"
+    res = sizing.size_array(factory, x, y, candidates=(1, 2, 4), steps=1, rounds=1, cache_path=path)
+    assert res.device_type == "cpu" and res.batch_size == 8
+    assert res.member_bytes > 0 and res.max_members == 4
+    assert set(res.throughput) == set(res.speedup) == {1, 2, 4}
+    assert res.best_members in (1, 2, 4)
+    assert res.fusion_pays == (res.best_members > 1)
+    # Cached per (signature, device type): no more models are built.
+    before = calls[0]
+    again = sizing.size_array(factory, x, y, candidates=(1, 2, 4), steps=1, rounds=1)
+    assert again is res and calls[0] == before + 1  # only the signature probe
+    # And on disk.
+    sizing.clear_cache()
+    loaded = sizing.size_array(factory, x, y, cache_path=path)
+    assert loaded == res
+    assert json.loads(path.read_text())
+
+
+def test_memory_limit_caps_members():
+    sizing.clear_cache()
+    x, y = torch.randn(8, 4, 4), torch.randint(0, 3, (8,))
+    first = sizing.size_array(small_mlp, x, y, candidates=(1, 2), steps=1, rounds=1, cache=False)
+    limit = int((first.base_bytes + 2.5 * first.member_bytes) / 0.8)
+    capped = sizing.size_array(small_mlp, x, y, candidates=(1, 2, 4, 8), steps=1, rounds=1, cache=False,
+                               memory_limit=limit)
+    assert capped.max_members == 2 and max(capped.throughput) == 2
+    with pytest.raises(fusion.FusionError, match="fits"):
+        sizing.size_array(small_mlp, x, y, candidates=(1, 2), steps=1, rounds=1, cache=False, memory_limit=10)
