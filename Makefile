@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test install system-deps clean
 
 install: $(STAMP)
 
@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/fusetune demo
 
-test: $(STAMP)
+# Tools the tests drive that PyPI does not carry: docker-compose validates docker-compose.yml.
+system-deps:
+	@command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
+
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest
 
 clean:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,6 +72,7 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._worker_ids: dict[str, int] = {}
+        self._next_refresh = time.monotonic() + settings.device_refresh_s
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -94,6 +96,11 @@ class Coordinator:
 
     def step(self) -> None:
         """One round: record finished arrays, ask for new trials, start arrays on idle workers."""
+        if time.monotonic() >= self._next_refresh:
+            # Accelerator nodes may join the Ray cluster after the service started.
+            if self.pool.refresh():
+                self._register_workers()
+            self._next_refresh = time.monotonic() + self.settings.device_refresh_s
         for worker, spec, result in self.pool.poll():
             self._record(worker, spec, result)
         with self.sessions() as session:
@@ -213,6 +220,7 @@ class Coordinator:
             members=tuple(MemberSpec(t.id, t.optuna_trial_id, t.number, dict(t.params)) for t in trials),
             pruner=study.pruner,
             seed=array.id,
+            artifact_dir=str(self.settings.artifact_dir.resolve()),
         )
         self.pool.submit(worker, spec)
         log.info("array %d: %d trials of study %s on %s", array.id, len(trials), study.name, worker.name)

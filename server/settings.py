@@ -30,7 +30,10 @@ class Settings(BaseSettings):
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    artifact_dir: Path = Field(Path("./artifacts"), description="Where workers write checkpoints.")
+    artifact_dir: Path = Field(
+        Path("./artifacts"),
+        description="Where workers save each finished trial's weights; shared storage when workers run on other nodes.",
+    )
     max_array_size: int = Field(8, ge=1, description="Most trials fused into one array.")
     cpu_workers: int = Field(1, ge=1, description="CPU worker actors to start when no GPU is present.")
     ask_batch: int = Field(
@@ -40,6 +43,7 @@ class Settings(BaseSettings):
         "batches fill arrays better; smaller ones let the sampler learn from more finished trials.",
     )
     poll_interval_s: float = Field(0.2, gt=0, description="Period of the scheduling loop.")
+    device_refresh_s: float = Field(10.0, gt=0, description="How often to look for new accelerators in the Ray cluster.")
 
     @field_validator("database_url")
     @classmethod

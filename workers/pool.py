@@ -10,6 +10,15 @@ from workers.actor import ArrayWorker
 from workers.spec import ArrayOutcome, ArraySpec
 
 
+def _options(device_type: str, threads: int) -> dict:
+    """Ray resources of one worker: a whole accelerator, or its share of the CPUs."""
+    if device_type == "cuda":
+        return {"num_gpus": 1, "num_cpus": 1}
+    if device_type == "xla":
+        return {"resources": {"TPU": 1}, "num_cpus": 1}
+    return {"num_cpus": threads}
+
+
 @dataclass
 class WorkerHandle:
     """One worker actor and the array it is training, if any."""
@@ -28,32 +37,52 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    """Starts one :class:`ArrayWorker` per GPU in the Ray cluster, or CPU workers where there is none.
+    """Starts one :class:`ArrayWorker` per accelerator in the Ray cluster, or CPU workers where there is none.
 
     Args:
-        cpu_workers: how many CPU workers to start when the cluster has no GPU; the cluster's
-            CPUs are split evenly between them.
+        cpu_workers: how many CPU workers to start when the cluster has no accelerator; the
+            cluster's CPUs are split evenly between them.
         name_prefix: actor names start with it, so several services can share one cluster.
     """
 
     def __init__(self, cpu_workers: int = 1, name_prefix: str = "fusetune") -> None:
-        resources = ray.cluster_resources()
-        gpus = int(resources.get("GPU", 0))
+        self.cpu_workers = cpu_workers
+        self.name_prefix = name_prefix
         self.workers: list[WorkerHandle] = []
-        if gpus:
-            slots = [("cuda", 1, {"num_gpus": 1, "num_cpus": 1})] * gpus
-        else:
-            cpus = max(1, int(resources.get("CPU", 1)) // cpu_workers)
-            slots = [("cpu", cpus, {"num_cpus": cpus})] * cpu_workers
-        for i, (device_type, threads, options) in enumerate(slots):
-            self.workers.append(self._start(f"{name_prefix}-{device_type}-{i}", device_type, threads, options))
-        infos = ray.get([w.actor.info.remote() for w in self.workers])
-        for worker, info in zip(self.workers, infos, strict=True):
+        self.refresh()
+
+    def refresh(self) -> list[WorkerHandle]:
+        """Start a worker for every accelerator that joined the cluster since the last call.
+
+        GPUs (Ray resource ``GPU``) get ``cuda`` workers and TPU chips (``TPU``) get ``xla``
+        workers; CPU workers are started only while the cluster has no accelerator at all.
+        Returns the workers started.
+        """
+        resources = ray.cluster_resources()
+        slots: list[tuple[str, int]] = []
+        for device_type, resource in (("cuda", "GPU"), ("xla", "TPU")):
+            have = sum(w.device_type == device_type for w in self.workers)
+            slots += [(device_type, 1)] * (int(resources.get(resource, 0)) - have)
+        if not slots and not self.workers and resources.get("CPU", 0) >= 1:
+            slots = [("cpu", max(1, int(resources["CPU"]) // self.cpu_workers))] * self.cpu_workers
+        started = []
+        for device_type, threads in slots:
+            index = sum(w.device_type == device_type for w in self.workers)
+            worker = self._start(f"{self.name_prefix}-{device_type}-{index}", device_type, threads)
+            self.workers.append(worker)
+            started.append(worker)
+        infos = ray.get([w.actor.info.remote() for w in started])
+        for worker, info in zip(started, infos, strict=True):
             worker.node = info["node"]
+        return started
 
     @staticmethod
-    def _start(name: str, device_type: str, threads: int, options: dict) -> WorkerHandle:
-        actor = ray.remote(ArrayWorker).options(max_concurrency=1, **options).remote(name, device_type, threads)
+    def _start(name: str, device_type: str, threads: int) -> WorkerHandle:
+        actor = (
+            ray.remote(ArrayWorker)
+            .options(max_concurrency=1, **_options(device_type, threads))
+            .remote(name, device_type, threads)
+        )
         return WorkerHandle(name=name, device_type=device_type, num_threads=threads, actor=actor)
 
     def idle(self) -> list[WorkerHandle]:
@@ -82,17 +111,12 @@ class WorkerPool:
                 result: ArrayOutcome | BaseException = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
                 result = exc
-                self._restart(worker)
+                worker.actor = self._start(worker.name, worker.device_type, worker.num_threads).actor
             except ray.exceptions.RayError as exc:
                 result = exc
             worker.spec, worker.ref = None, None
             finished.append((worker, spec, result))
         return finished
-
-    def _restart(self, worker: WorkerHandle) -> None:
-        options = {"num_gpus": 1, "num_cpus": 1} if worker.device_type == "cuda" else {"num_cpus": worker.num_threads}
-        fresh = self._start(worker.name, worker.device_type, worker.num_threads, options)
-        worker.actor = fresh.actor
 
     def shutdown(self) -> None:
         for worker in self.workers:

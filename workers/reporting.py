@@ -57,6 +57,10 @@ class Reporter:
             )
         return prune
 
+    def saved(self, member: MemberSpec, path: str) -> None:
+        """Record where the member's trained weights are, as the Optuna user attr ``state_dict``."""
+        self._trials[member.trial_id].set_user_attr("state_dict", path)
+
     def complete(self, member: MemberSpec, value: float) -> None:
         self.study.tell(self._trials[member.trial_id], value)
         self._finish(member, TrialState.COMPLETE, value=value)

@@ -28,6 +28,7 @@ class ArraySpec:
     members: tuple[MemberSpec, ...]
     pruner: dict[str, Any] | None = None
     seed: int = 0
+    artifact_dir: str | None = None  # where each finished member's state_dict is saved
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
+from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,14 @@ def build_models(workload: Workload, members: Sequence[MemberSpec], seed: int) -
         torch.manual_seed(seed + member.number)
         models.append(workload.build_model(member.params))
     return models
+
+
+def save_member(fused: fusion.FusedModel, index: int, spec: ArraySpec, member: MemberSpec) -> str:
+    """Save member ``index`` as a plain state_dict of the workload's model class; returns the path."""
+    path = Path(spec.artifact_dir, spec.study_name, f"trial-{member.number}.pt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().cpu() for k, v in fused.member_state_dict(index).items()}, path)
+    return str(path)
 
 
 def train_array(spec: ArraySpec, device: torch.device, reporter: Reporter | None = None) -> ArrayOutcome:
@@ -116,6 +125,8 @@ def train_array(spec: ArraySpec, device: torch.device, reporter: Reporter | None
 
         for b in range(num_members):
             if live[b]:
+                if spec.artifact_dir is not None:
+                    reporter.saved(members[b], save_member(fused, b, spec, members[b]))
                 reporter.complete(members[b], last_values[b])
                 outcome.completed.append(members[b].trial_id)
         if train_seconds > 0:

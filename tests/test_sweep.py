@@ -1,0 +1,83 @@
+"""End to end: a sweep submitted over HTTP to a live uvicorn, trained by Ray workers, read back.
+
+Also checks that the service's database is a real Optuna storage: ``optuna.load_study`` sees the
+same trials, params, intermediate values and values as the API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import optuna
+import pytest
+
+from client import Client
+from server.cli import BackgroundServer
+from server.settings import Settings
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+SPACE = {
+    "lr": optuna.distributions.distribution_to_json(optuna.distributions.FloatDistribution(0.01, 0.3, log=True)),
+    "momentum": optuna.distributions.distribution_to_json(optuna.distributions.FloatDistribution(0.0, 0.9)),
+    "hidden": optuna.distributions.distribution_to_json(optuna.distributions.CategoricalDistribution([16, 32])),
+}
+
+
+@pytest.fixture
+def service(ray_cluster: str, database_url: str) -> Iterator[Client]:
+    settings = Settings(database_url=database_url, port=free_port(), ray_address=ray_cluster, max_array_size=4)
+    server = BackgroundServer(settings).start()
+    try:
+        with Client(server.url) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+def test_sweep_over_http_matches_optuna(service: Client, database_url: str) -> None:
+    study = service.create_study(
+        "digits-mlp",
+        n_trials=7,
+        epochs=3,
+        name="e2e",
+        search_space=SPACE,
+        sampler={"name": "RandomSampler", "kwargs": {"seed": 3}},
+    )
+    study = service.wait(study["id"], timeout=300)
+    assert study["trial_counts"]["COMPLETE"] == 7
+
+    trials = service.trials(study["id"])
+    arrays = service.arrays(study["id"])
+    assert len(trials) == 7
+    assert {t["state"] for t in trials} == {"COMPLETE"}
+    for t in trials:
+        assert sorted(t["intermediate_values"]) == ["0", "1", "2"] or sorted(t["intermediate_values"]) == [0, 1, 2]
+        assert t["value"] == pytest.approx(list(t["intermediate_values"].values())[-1])
+        assert 0.0 <= t["value"] <= 1.0
+
+    # Arrays: every trial in exactly one, only equal signatures (hence equal widths) together.
+    assert sum(a["size"] for a in arrays) == 7
+    assert all(a["state"] == "COMPLETE" and a["size"] <= 4 and a["epochs_done"] == 3 for a in arrays)
+    by_id = {t["id"]: t for t in trials}
+    for a in arrays:
+        members = [by_id[i] for i in a["trial_ids"]]
+        assert {m["array_id"] for m in members} == {a["id"]}
+        assert {m["signature"] for m in members} == {a["signature"]}
+        assert len({m["params"]["hidden"] for m in members}) == 1
+        assert a["models_steps_per_s"] > 0
+    assert len(arrays) < 7  # trials were actually fused
+
+    # The same study through Optuna's own API.
+    loaded = optuna.load_study(study_name="e2e", storage=database_url)
+    frozen = {t.number: t for t in loaded.trials}
+    assert set(frozen) == {t["number"] for t in trials}
+    for t in trials:
+        f = frozen[t["number"]]
+        assert f.state == optuna.trial.TrialState.COMPLETE
+        assert f.params == t["params"]
+        assert f.value == t["value"]
+        assert {str(k): v for k, v in f.intermediate_values.items()} == {str(k): v for k, v in t["intermediate_values"].items()}
+    assert loaded.best_value == max(t["value"] for t in trials)
+    assert service.study(study["id"])["best_trial"]["value"] == loaded.best_value
