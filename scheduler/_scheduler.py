@@ -57,7 +57,9 @@ class Scheduler:
         throughput: the model to decide with (updated by the caller via ``observe``).
         max_members: hard cap on B.
         min_member_efficiency: fusing pays while each member keeps at least this fraction
-            of its solo speed (bounds how much fusion may slow a single trial down).
+            of its solo speed (bounds how much fusion may slow a single trial down).  The
+            LP still picks smaller arrays (down to unfused) whenever devices are free, so
+            this only caps how far fusion may go when devices are scarce.
         lease_seconds: how long a placement is guaranteed once granted or extended.
     """
 
@@ -68,7 +70,7 @@ class Scheduler:
         throughput: ThroughputModel | None = None,
         *,
         max_members: int = 16,
-        min_member_efficiency: float = 0.5,
+        min_member_efficiency: float = 0.3,
         lease_seconds: float = 360.0,
     ) -> None:
         if max_members < 1:

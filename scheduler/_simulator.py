@@ -142,10 +142,6 @@ def simulate(
             e, saturated = decision.allocation.equal_share, decision.allocation.saturated
         else:
             e, _, saturated, _ = equal_share_utilities(problem)
-        # problem tenants are ordered like `w` (= tenant_names).
-        value = np.zeros((n_t, len(ptypes)))
-        for ci, (tn, _) in enumerate(classes):
-            value[tix[tn]] = np.maximum(value[tix[tn]], problem.rate[ci].max(axis=1))
         u = np.zeros(n_t)
         bundle = np.zeros((n_t, len(ptypes)))
         placed: set[int] = set()
@@ -161,16 +157,27 @@ def simulate(
             active[tix[p.tenant]] = True
             if p.trial_id not in placed:
                 waiting[tix[p.tenant]] = True
+        # A tenant's per-device value, OEF's linear valuation as in the LP: the best rate
+        # any of its classes gets from a device of each type.
+        value = np.zeros((n_t, len(ptypes)))
+        for ci, c in enumerate(classes):
+            value[tix[c[0]]] = np.maximum(value[tix[c[0]]], problem.rate[ci].max(axis=1))
         dt = round_seconds
         util[active] += u[active] * dt
         share[active] += e[active] * dt
         wv = np.array([w[n] for n in tenant_names])
-        for i in np.flatnonzero(waiting & ~saturated & (e > 0)):
+        # Envy, time-integrated like the sharing-incentive ratio: over the time both are
+        # active, Σ max(0, v_i·a_j·w_i/w_j − v_i·a_i) / Σ v_i·a_i, where a round adds envy
+        # only if i had trials waiting beyond its equal share (otherwise it could not use
+        # another bundle and envies nothing).
+        for i in np.flatnonzero(active & (e > 0)):
             own = value[i] @ bundle[i]
+            can_envy = waiting[i] and not saturated[i]
             for j in np.flatnonzero(active):
                 if j != i:
                     envy_own[i, j] += own * dt
-                    envy_other[i, j] += (value[i] @ bundle[j]) * wv[i] / wv[j] * dt
+                    if can_envy:
+                        envy_other[i, j] += max(0.0, (value[i] @ bundle[j]) * wv[i] / wv[j] - own) * dt
         contenders = np.flatnonzero(waiting & (e > 0))
         if contenders.size >= 2:
             jain_sum += _jain(u[contenders] / e[contenders]) * dt
@@ -210,7 +217,7 @@ def simulate(
     jcts = np.array(list(jct.values())) / 3600.0
     si = {n: float(util[tix[n]] / share[tix[n]]) if share[tix[n]] > 0 else math.inf for n in tenant_names}
     with np.errstate(divide="ignore", invalid="ignore"):
-        envy = np.where(envy_own > 0, (envy_other - envy_own) / envy_own, 0.0)
+        envy = np.where(envy_own > 0, envy_other / envy_own, 0.0)
     first = min((s.arrival for s in studies), default=0.0)
     return SimResult(
         policy=policy,
