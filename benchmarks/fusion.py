@@ -17,7 +17,9 @@ each round and the median over rounds reported (throughput: the median), so
 load from other jobs on a shared machine hits the compared paths alike.
 
 Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm]
-       [--members 1,2,4,8,16] [--steps 10] [--rounds 3] [--batch 64]
+       [--members 1,2,4,8,16] [--paths serial,fused,func] [--steps 10]
+       [--rounds 5] [--batch 64]
+       python benchmarks/fusion.py --profile resnet:4 --steps 2   # where time goes
 """
 
 from __future__ import annotations
@@ -252,6 +254,27 @@ def measure(name: str, b: int, batch: int, steps: int, rounds: int,
     return out
 
 
+def profile(name: str, b: int, batch: int, steps: int) -> None:
+    """Per-operator CPU time of serial vs fused training steps (where the time goes)."""
+    work = WORKLOADS[name]
+    torch.manual_seed(0)
+    x, y = work.make_batch(batch)
+    models = [work.factory() for _ in range(b)]
+    for label, make in (("serial", serial_step), ("fused", fused_step)):
+        run = make([copy.deepcopy(m) for m in models], x, y)
+        for _ in range(2):
+            run()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                run()
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in events)
+        print(f"\n{label}: {name}, B={b}, {total / steps / 1e3:.1f} ms of CPU time per step")
+        for e in events[:12]:
+            share = 100 * e.self_cpu_time_total / total
+            print(f"  {e.key:<48}{e.self_cpu_time_total / steps / 1e3:>9.2f} ms{share:>7.1f}%{e.count // steps:>7} calls")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,cnn,resnet,transformer,lstm")
@@ -261,9 +284,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--profile", default="", metavar="MODEL:B",
+                        help="print a per-operator profile of serial vs fused instead of the table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.profile:
+        name, b = args.profile.split(":")
+        profile(name, int(b), args.batch, args.steps)
+        return
     paths = args.paths.split(",")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, "
           f"{args.steps} steps x {args.rounds} interleaved rounds (median)")

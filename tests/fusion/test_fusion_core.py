@@ -256,3 +256,27 @@ def test_train_eval_flags_propagate():
     fused.train()
     assert all(m.training for m in fused.modules())
     assert fused.num_members == 2
+
+
+def test_bf16_autocast_on_cpu():
+    """Under torch.autocast(cpu, bf16) the fused array matches B separately
+    autocast models (bf16 tolerance) in outputs and float32 gradients."""
+    torch.manual_seed(0)
+    members = [digits_cnn() for _ in range(B)]
+    refs = [copy.deepcopy(m) for m in members]
+    fused = fusion.fuse(members)
+    x, y = classification_batch(B, 8, (1, 8, 8), 10, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused(x)
+        losses = fusion.per_member_loss(F.cross_entropy, out, y)
+    losses.sum().backward()
+    params = dict(fused.module.named_parameters())
+    for b, r in enumerate(refs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_out = r(x[b])
+            F.cross_entropy(ref_out, y[b]).backward()
+        assert out.dtype == ref_out.dtype == torch.bfloat16
+        torch.testing.assert_close(out[b].float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+        for name, p in r.named_parameters():
+            assert params[name].grad.dtype == torch.float32
+            torch.testing.assert_close(params[name].grad[b], p.grad, rtol=5e-2, atol=5e-2 * float(p.grad.abs().max()))
