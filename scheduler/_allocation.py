@@ -47,6 +47,7 @@ FairnessPolicy = Literal["max_min", "oef", "oef_noncooperative"]
 
 _TOL = 1e-7
 _ENVY_PENALTY = 1e3  # per unit of envy, relative to the largest per-device rate
+_STICKINESS = 1e-3  # tie-break bonus for incumbent placements, relative to the mean rate
 
 
 @dataclass(frozen=True)
@@ -171,10 +172,19 @@ def _shares(p: AllocationProblem) -> np.ndarray:
     return w / total if total > 0 else w
 
 
-def _linprog(c: np.ndarray, a_ub: sparse.spmatrix, b_ub: np.ndarray) -> tuple[np.ndarray | None, float]:
-    """Minimise c·x s.t. A x <= b, x >= 0 with HiGHS; (solution or None, seconds)."""
+def _linprog(
+    c: np.ndarray,
+    a_ub: sparse.spmatrix,
+    b_ub: np.ndarray,
+    a_eq: sparse.spmatrix | None = None,
+    b_eq: np.ndarray | None = None,
+) -> tuple[np.ndarray | None, float]:
+    """Minimise c·x s.t. A x <= b (and A_eq x = b_eq), x >= 0 with HiGHS.
+
+    Returns (solution or None, seconds).
+    """
     t0 = time.perf_counter()
-    res = linprog(c, A_ub=a_ub, b_ub=b_ub, bounds=(0, None), method="highs")
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
     return (res.x if res.status == 0 else None), time.perf_counter() - t0
 
 
@@ -208,7 +218,7 @@ def equal_share_utilities(p: AllocationProblem) -> tuple[np.ndarray, np.ndarray,
     return e, y, ~_unmet_tenants(p, v, held), secs
 
 
-def _max_min(p: AllocationProblem, v: _Vars, e: np.ndarray) -> tuple[np.ndarray | None, float]:
+def _max_min(p: AllocationProblem, v: _Vars, e: np.ndarray, prefer: np.ndarray) -> tuple[np.ndarray | None, float]:
     """Water-filling weighted max-min of u_i / e_i, then a total-utility stage."""
     n = v.size
     u_mat = _utility_matrix(p, v)
@@ -254,7 +264,7 @@ def _max_min(p: AllocationProblem, v: _Vars, e: np.ndarray) -> tuple[np.ndarray 
     lv = np.maximum(level[tenants], 0.0)
     a = sparse.vstack([base_a, -u_mat[tenants]]).tocsr()
     b = np.concatenate([base_b, -(lv * e[tenants]) * (1 - 1e-8)])
-    sol, s = _linprog(-v.rate, a, b)
+    sol, s = _linprog(-v.rate - prefer, a, b)
     secs += s
     return (sol if sol is not None else x), secs
 
@@ -265,7 +275,7 @@ def _oef(
     e: np.ndarray,
     saturated: np.ndarray,
     noncooperative: bool,
-    owed: np.ndarray,
+    prefer: np.ndarray,
 ) -> tuple[np.ndarray | None, float]:
     """Max total utility s.t. sharing incentive and (weighted) envy-freeness."""
     n = v.size
@@ -281,7 +291,7 @@ def _oef(
     np.maximum.at(value, (owner, v.typ), v.rate)
     w = p.weights.astype(float)
     rows: list[sparse.spmatrix] = [base_a, -u_mat[active]]
-    rhs: list[np.ndarray] = [base_b, -((e + owed)[active] - _TOL)]
+    rhs: list[np.ndarray] = [base_b, -(e[active] - _TOL)]
     enviers = np.flatnonzero(active & ~saturated)
     others = np.flatnonzero(active)
     if enviers.size and others.size > 1:
@@ -317,49 +327,61 @@ def _oef(
                 ),
                 shape=(m, T * G),
             )
-        ef = (coef @ bundle).tocsr()
+        # The bundles a[i, g] get variables of their own (tied to x by equalities) so each
+        # envy row touches 2G bundle entries instead of every variable of two tenants.
         # Demand caps can make exact envy-freeness and sharing incentive jointly
         # infeasible (a tenant that can use only 3 devices "envies" a 4-device bundle it
-        # could not use).  Each envy row therefore gets a slack variable with a penalty
-        # that dominates any throughput gain, so the LP always has a solution, is exactly
-        # envy-free whenever that is feasible, and otherwise minimises total envy.
-        m = ef.shape[0]
-        rows = [sparse.hstack([r, sparse.csr_matrix((r.shape[0], m))]) for r in rows]
-        rows.append(sparse.hstack([ef, -sparse.identity(m, format="csr")]))
+        # could not use), so every envier i gets one slack s_i >= its envy of anyone,
+        # with a penalty that dominates any throughput gain: the LP always has a
+        # solution, is exactly envy-free whenever demand allows, and otherwise minimises
+        # the envy.
+        n_a = T * G
+        slack_of = {int(i): k for k, i in enumerate(enviers)}
+        m = coef.shape[0]
+        row_envier = pi if not noncooperative else pi_g
+        n_s = enviers.size
+        s_col = sparse.csr_matrix(
+            (np.full(m, -1.0), (np.arange(m), [slack_of[int(i)] for i in row_envier])), shape=(m, n_s)
+        )
+        ub = [sparse.hstack([r, sparse.csr_matrix((r.shape[0], n_a + n_s))]) for r in rows]
+        ub.append(sparse.hstack([sparse.csr_matrix((m, n)), coef, s_col]))
         rhs.append(np.full(m, _TOL))
+        a_eq = sparse.hstack([bundle, -sparse.identity(n_a, format="csr"), sparse.csr_matrix((n_a, n_s))]).tocsr()
         penalty = _ENVY_PENALTY * max(1.0, float(v.rate.max()))
-        obj = np.concatenate([-v.rate, np.full(m, penalty)])
-        sol, secs = _linprog(obj, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
+        obj = np.concatenate([-v.rate - prefer, np.zeros(n_a), np.full(n_s, penalty)])
+        sol, secs = _linprog(obj, sparse.vstack(ub).tocsr(), np.concatenate(rhs), a_eq, np.zeros(n_a))
         return (sol[:n] if sol is not None else None), secs
-    return _linprog(-v.rate, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
+    return _linprog(-v.rate - prefer, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
 
 
 def solve_allocation(
-    p: AllocationProblem, policy: FairnessPolicy, owed: np.ndarray | None = None
+    p: AllocationProblem,
+    policy: FairnessPolicy,
+    incumbent: np.ndarray | None = None,
 ) -> Allocation:
     """Solve one round's fractional allocation under ``policy``.
 
-    ``owed`` (OEF policies only, >= 0) raises the sharing-incentive constraint of tenant
-    i to ``u_i >= e_i + owed_i``; the scheduler uses it to repay rounding shortfalls of
-    earlier rounds.  If that makes the LP infeasible it is dropped.  If
-    HiGHS still fails (numerically degenerate instance), the equal-share solution is
-    used: it is always feasible and satisfies sharing incentive and envy-freeness.
+    ``incumbent`` (C, G) marks where classes run now; among allocations of (nearly)
+    equal value the LP then prefers those, so degenerate LPs do not reshuffle devices
+    from one round to the next (a tie-break worth 0.1% of a device's rate).
+
+    If HiGHS fails (numerically degenerate instance), the equal-share solution is used:
+    it is always feasible and satisfies the sharing incentive.
     """
     if policy not in ("max_min", "oef", "oef_noncooperative"):
         raise ValueError(f"unknown fairness policy {policy!r}")
     e, _, saturated, secs = equal_share_utilities(p)
     v = _variables(p)
     sol: np.ndarray | None = None
+    prefer = np.zeros(v.size)
+    if incumbent is not None and v.size:
+        prefer = _STICKINESS * float(v.rate.mean()) * (np.asarray(incumbent)[v.cls, v.typ] > 0)
     if v.size:
         if policy == "max_min":
-            sol, s = _max_min(p, v, e)
+            sol, s = _max_min(p, v, e, prefer)
         else:
             noncoop = policy == "oef_noncooperative"
-            extra = np.zeros(p.n_tenants) if owed is None else np.maximum(np.asarray(owed, dtype=float), 0.0)
-            sol, s = _oef(p, v, e, saturated, noncoop, extra)
-            if sol is None and np.any(extra > 0):
-                secs += s
-                sol, s = _oef(p, v, e, saturated, noncoop, np.zeros(p.n_tenants))
+            sol, s = _oef(p, v, e, saturated, noncoop, prefer)
         secs += s
         if sol is None:
             # Re-solve the equal-share LP's vector form (cheap, always feasible).

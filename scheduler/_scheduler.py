@@ -42,6 +42,7 @@ POLICIES: Mapping[str, _Preset] = {
 }
 
 _CARRY_LIMIT = 3.0  # bounds how much past over/under-service a class can bank
+_HYSTERESIS = 0.5  # device-rounds of debt another class needs to take a spare device over
 _DEBT_LIMIT = 0.5  # a tenant can be owed at most half a round's equal-share utility
 
 
@@ -90,9 +91,9 @@ class Scheduler:
         self._carry: dict[tuple[tuple[str, str], str], float] = {}
         self._sizes: dict[tuple[SpeedupCurve, int], int] = {}
         # Per-tenant utility still owed: Σ over rounds of (equal-share utility - realised
-        # utility), repaid through the LP's sharing-incentive floor.  Integer rounding of
-        # a fractional allocation loses a little each round; this makes the sharing
-        # incentive hold over time, not only in the fractional solution.
+        # utility).  Integer rounding of a fractional allocation loses a little each
+        # round; owed tenants get the spare devices of the next rounding first, so the
+        # sharing incentive holds over time, not only in the fractional solution.
         self._debt: dict[str, float] = {}
 
     # -- helpers -----------------------------------------------------------------------
@@ -215,8 +216,12 @@ class Scheduler:
         else:
             problem, types, _ = self.problem(classes, [len(members_of[c]) for c in classes], devices, weights)
             names = tuple(weights)
-            owed = np.array([self._debt.get(n, 0.0) for n in names]) if self._debt else None
-            allocation = solve_allocation(problem, self.fairness, owed)
+            incumbent = np.zeros((len(classes), len(types)))
+            class_row = {c: i for i, c in enumerate(classes)}
+            type_col = {g: i for i, g in enumerate(types)}
+            for p, d, _ in current:
+                incumbent[class_row[(p.tenant, p.signature)], type_col[d.device_type]] += 1
+            allocation = solve_allocation(problem, self.fairness, incumbent)
             solver = allocation.solver_seconds
             placements = self._round(now, allocation, classes, types, members_of, current, busy, devices)
             self._update_debt(names, allocation, placements, device_by_id, types)
@@ -351,6 +356,9 @@ class Scheduler:
         # Debt only reorders who gets the spare devices, so a target never exceeds
         # ceil(x) and classes that were short in earlier rounds are repaid first.
         demand = np.array([len(members_of[c]) for c in classes])
+        incumbent = np.zeros((n_c, n_g), dtype=int)
+        for p, d, _ in current:
+            incumbent[class_index[(p.tenant, p.signature)], type_index[d.device_type]] += 1
         # Tenants owed utility (rounding fell short of their equal share) come first for
         # spare devices: the shortfall is repaid from tenants above their share.
         owed_bonus = np.array([1.0 + self._debt[c[0]] if c[0] in self._debt else 0.0 for c in classes])
@@ -365,7 +373,11 @@ class Scheduler:
                 continue
             frac = x[:, gi] - col
             eligible = (frac > 1e-3) & (col < demand)
-            priority = np.where(eligible, frac + carry[:, gi] + owed_bonus, -np.inf)
+            # Hysteresis: a class already running its extra array here keeps it unless
+            # another is owed clearly more, so fractional shares rotate in stints rather
+            # than every round (fewer restarts at the same long-run shares).
+            holds = incumbent[:, gi] > col
+            priority = np.where(eligible, frac + carry[:, gi] + owed_bonus + _HYSTERESIS * holds, -np.inf)
             for j in np.argsort(-priority, kind="stable")[:spare]:
                 if eligible[j]:
                     col[j] += 1
