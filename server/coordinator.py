@@ -180,7 +180,9 @@ class Coordinator:
                 row.params = dict(params)
                 row.signature = trial_signature(workload, study, params)
             except Exception as exc:  # the workload's own code rejected these params
-                optuna_study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                # Straight to the storage: a sampler's after_trial hook may raise outside an
+                # objective (BruteForceSampler calls Study.stop), which would lose the FAIL.
+                self.storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
                 row.state, row.error, row.completed_at = TrialState.FAIL, f"{type(exc).__name__}: {exc}", utcnow()
             session.add(row)
             session.commit()

@@ -6,6 +6,7 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import sqlalchemy as sa
@@ -18,6 +19,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def running_service(ray_address: str, database_url: str, **settings: object) -> Iterator["Client"]:
+    """A live uvicorn serving the whole service (API, scheduling loop, Ray workers)."""
+    from client import Client
+    from server.cli import BackgroundServer
+    from server.settings import Settings
+
+    config = Settings(database_url=database_url, port=free_port(), ray_address=ray_address, **settings)
+    server = BackgroundServer(config).start()
+    try:
+        with Client(server.url) as client:
+            yield client
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,7 @@ import optuna
 import pytest
 
 from client import Client
-from server.cli import BackgroundServer
-from server.settings import Settings
-from tests.conftest import free_port
+from tests.conftest import running_service
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +25,8 @@ SPACE = {
 
 @pytest.fixture
 def service(ray_cluster: str, database_url: str) -> Iterator[Client]:
-    settings = Settings(database_url=database_url, port=free_port(), ray_address=ray_cluster, max_array_size=4)
-    server = BackgroundServer(settings).start()
-    try:
-        with Client(server.url) as client:
-            yield client
-    finally:
-        server.stop()
+    with running_service(ray_cluster, database_url, max_array_size=4) as client:
+        yield client
 
 
 def test_sweep_over_http_matches_optuna(service: Client, database_url: str) -> None:
