@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import service
 from server.api import health_router, router
@@ -18,6 +19,28 @@ from server.settings import Settings, get_settings
 from workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
+
+
+class JSONBodyMiddleware:
+    """Read request bodies sent as form data as JSON.
+
+    ``curl -d @sweep.json`` labels the body ``application/x-www-form-urlencoded`` unless told
+    otherwise; the API speaks only JSON, so such bodies are taken for what they are.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = [
+                (k, b"application/json")
+                if k == b"content-type" and v.startswith(b"application/x-www-form-urlencoded")
+                else (k, v)
+                for k, v in scope["headers"]
+            ]
+            scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, *, schedule: bool = True) -> FastAPI:
@@ -54,6 +77,7 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
         version="0.1.0",
         lifespan=lifespan,
     )
+    app.add_middleware(JSONBodyMiddleware)
     app.state.settings = settings
     app.state.sessions = get_sessionmaker(settings.database_url)
     app.include_router(router)

@@ -46,6 +46,17 @@ def test_create_study_is_an_optuna_study(api: httpx.Client, database_url: str) -
     assert loaded.direction == optuna.study.StudyDirection.MAXIMIZE
 
 
+def test_curl_style_form_encoded_json_is_accepted(api: httpx.Client) -> None:
+    """`curl -X POST .../studies -d @sweep.json` sends JSON labelled as form data."""
+    response = api.post(
+        "/api/v1/studies",
+        content=json.dumps(VALID),
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert response.status_code == 201, response.text
+    assert response.json()["workload"] == "digits-mlp"
+
+
 def test_search_space_accepts_distribution_objects(api: httpx.Client) -> None:
     encoded = json.loads(optuna.distributions.distribution_to_json(optuna.distributions.CategoricalDistribution([32, 64])))
     response = api.post("/api/v1/studies", json={**VALID, "search_space": {"hidden": encoded}})
