@@ -18,13 +18,15 @@ import torch
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from scheduler import PendingTrial, pack, shape_signature
+from scheduler import Device, PendingTrial, Placement, ThroughputModel, make_scheduler, pack, shape_signature
+from scheduler import Tenant as SchedulerTenant
 from server.db import (
     Array,
     ArrayMember,
     ArrayState,
     Study,
     StudyState,
+    Tenant,
     Trial,
     TrialState,
     Worker,
@@ -59,6 +61,15 @@ def trial_signature(workload: Workload, study: Study, params: Mapping[str, Any])
     return shape_signature(model, array_settings(workload, study, params)).digest
 
 
+def _class_of(trial: Trial) -> str:
+    """The scheduler's fusion key of a trial: its signature, within its study.
+
+    An array trains the trials of one study (its epochs, pruner and reports are the study's),
+    so equal signatures of different studies are different classes.
+    """
+    return f"{trial.signature}@{trial.study_id}"
+
+
 class Coordinator:
     """Drives every running study to completion on a :class:`~workers.pool.WorkerPool`."""
 
@@ -72,12 +83,24 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._worker_ids: dict[str, int] = {}
+        self._running: dict[str, Placement] = {}  # device -> the array the scheduler placed there
+        self.scheduler = make_scheduler(
+            settings.scheduling_policy,
+            ThroughputModel(prior_marginal_cost=settings.prior_marginal_cost),
+            max_members=settings.max_array_size,
+            lease_seconds=settings.lease_s,
+        )
         self._next_refresh = time.monotonic() + settings.device_refresh_s
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self) -> None:
+    def setup(self) -> None:
+        """Register the pool's workers and re-queue what a previous process left running."""
         self._register_workers()
         self._recover()
+
+    def start(self) -> None:
+        """:meth:`setup`, then run :meth:`step` every ``poll_interval_s`` in a background thread."""
+        self.setup()
         self._thread = threading.Thread(target=self._loop, name="fusetune-coordinator", daemon=True)
         self._thread.start()
 
@@ -109,8 +132,7 @@ class Coordinator:
             ).all()
             for study in studies:
                 self._ask(session, study)
-            for study in studies:
-                self._dispatch(session, study)
+            self._dispatch(session)
             for study in studies:
                 self._maybe_complete(session, study)
 
@@ -188,25 +210,51 @@ class Coordinator:
             session.commit()
 
     # -- dispatching ---------------------------------------------------------------------------
-    def _dispatch(self, session: Session, study: Study) -> None:
-        idle = self.pool.idle()
+    def _dispatch(self, session: Session) -> None:
+        """One scheduling round: the scheduler decides, arrays start on the idle devices it fills.
+
+        The scheduler sees every unfinished trial, every device and the running arrays, and
+        returns the placements fair across tenants (by weight) and across device types. A
+        placement on an idle device starts an array; one on a busy device is left for a
+        later round, because a running array keeps its members until it ends.
+        """
+        idle = {w.name: w for w in self.pool.idle()}
         if not idle:
             return
-        waiting = session.scalars(
-            select(Trial)
-            .where(Trial.study_id == study.id, Trial.state == TrialState.WAITING, Trial.array_id.is_(None))
-            .order_by(Trial.number)
+        rows = session.execute(
+            select(Trial, Study)
+            .join(Study, Trial.study_id == Study.id)
+            .where(Study.state == StudyState.RUNNING, Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
+            .order_by(Study.id, Trial.number)
         ).all()
+        waiting = {t.id: (t, study) for t, study in rows if t.array_id is None and t.state == TrialState.WAITING}
         if not waiting:
             return
-        by_id = {t.id: t for t in waiting}
-        pending = [PendingTrial(trial_id=t.id, signature=t.signature, tenant=study.tenant, study_id=study.id) for t in waiting]
-        max_members = study.max_array_size or self.settings.max_array_size
-        for plan, worker in zip(pack(pending, max_members), idle):
-            self._start_array(session, study, worker, [by_id[i] for i in plan.trial_ids], plan.signature)
+        pending = [
+            PendingTrial(trial_id=t.id, signature=_class_of(t), tenant=study.tenant, study_id=study.id, remaining_epochs=study.epochs)
+            for t, study in rows
+        ]
+        weights = [SchedulerTenant(name, weight) for name, weight in session.execute(select(Tenant.name, Tenant.weight))]
+        devices = [Device(w.name, w.device_type, w.memory_bytes, w.node) for w in self.pool.workers]
+        decision = self.scheduler.decide(time.monotonic(), pending, devices, weights, list(self._running.values()))
+        for placement in decision.placements:
+            worker = idle.get(placement.device_id)
+            ids = [i for i in placement.trial_ids if i in waiting]
+            if worker is None or not ids:
+                continue
+            study = waiting[ids[0]][1]
+            # The scheduler sizes the array; its class's waiting trials are then spread evenly
+            # over the arrays they need (9 trials at B=8: 5 now and 4 next, not 8 and 1).
+            cap = min(len(placement.trial_ids), study.max_array_size or self.settings.max_array_size)
+            queue = [PendingTrial(trial_id=i, signature=placement.signature) for i, (t, _) in waiting.items() if _class_of(t) == placement.signature]
+            members = [waiting.pop(i)[0] for i in pack(queue, cap)[0].trial_ids]
+            self._start_array(session, study, worker, members)
+            self._running[worker.name] = Placement(
+                worker.name, placement.signature, study.tenant, tuple(t.id for t in members), placement.lease_expires
+            )
 
-    def _start_array(self, session: Session, study: Study, worker: WorkerHandle, trials: list[Trial], signature: str) -> None:
-        array = Array(study_id=study.id, signature=signature, worker_id=self._worker_ids.get(worker.name))
+    def _start_array(self, session: Session, study: Study, worker: WorkerHandle, trials: list[Trial]) -> None:
+        array = Array(study_id=study.id, signature=trials[0].signature, worker_id=self._worker_ids.get(worker.name))
         array.members = [ArrayMember(slot=i, trial_id=t.id) for i, t in enumerate(trials)]
         session.add(array)
         session.flush()
@@ -229,6 +277,7 @@ class Coordinator:
 
     # -- recording -----------------------------------------------------------------------------
     def _record(self, worker: WorkerHandle, spec: ArraySpec, result: ArrayOutcome | BaseException) -> None:
+        self._running.pop(worker.name, None)
         with self.sessions.begin() as session:
             array = session.get(Array, spec.array_id)
             if isinstance(result, ArrayOutcome):

@@ -175,6 +175,19 @@ class ArrayOut(BaseModel):
     completed_at: datetime | None
 
 
+class TenantUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight: float = Field(gt=0, le=1e6, description="Shares of the cluster (2.0 = twice a weight-1 tenant's).")
+
+
+class TenantOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    weight: float
+
+
 class Health(BaseModel):
     status: Literal["ok"]
     database: str

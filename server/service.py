@@ -14,9 +14,9 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from server.db import Array, ArrayMember, Study, Trial, TrialState, get_optuna_storage
+from server.db import Array, ArrayMember, Study, Tenant, Trial, TrialState, get_optuna_storage
 from server.optuna_specs import make_sampler
-from server.schemas import ArrayOut, BestTrial, StudyCreate, StudyOut, TrialOut
+from server.schemas import ArrayOut, BestTrial, StudyCreate, StudyOut, TenantOut, TenantUpdate, TrialOut
 from workers.workloads import get_workload
 
 
@@ -62,6 +62,9 @@ def create_study(session: Session, url: str, request: StudyCreate) -> StudyOut:
         max_array_size=request.max_array_size,
         optuna_study_id=optuna_study._study_id,
     )
+    if session.get(Tenant, request.tenant) is None:
+        session.add(Tenant(name=request.tenant, weight=1.0))
+        session.flush()
     session.add(study)
     try:
         session.commit()
@@ -169,3 +172,18 @@ def list_arrays(session: Session, study_id: int | None = None) -> list[ArrayOut]
             )
         )
     return out
+
+
+def list_tenants(session: Session) -> list[TenantOut]:
+    return [TenantOut.model_validate(t) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
+
+
+def put_tenant(session: Session, name: str, update: TenantUpdate) -> TenantOut:
+    """Create the tenant or change its weight; the scheduler uses it from its next round."""
+    tenant = session.get(Tenant, name)
+    if tenant is None:
+        tenant = Tenant(name=name)
+        session.add(tenant)
+    tenant.weight = update.weight
+    session.commit()
+    return TenantOut.model_validate(tenant)

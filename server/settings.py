@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,6 +43,17 @@ class Settings(BaseSettings):
         description="Most trials asked from a study's sampler ahead of being trained. Larger "
         "batches fill arrays better; smaller ones let the sampler learn from more finished trials.",
     )
+    scheduling_policy: Literal["fifo", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"] = Field(
+        "fusetune", description="The scheduler's policy (see docs/scheduling.md)."
+    )
+    prior_marginal_cost: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="Fraction of a solo model's step time one more fused member is assumed to add "
+        "before anything is measured (HFTA measures 0.04-0.1 for small models).",
+    )
+    lease_s: float = Field(360.0, ge=0, description="How long a placement is guaranteed before it may be revised.")
     poll_interval_s: float = Field(0.2, gt=0, description="Period of the scheduling loop.")
     device_refresh_s: float = Field(10.0, gt=0, description="How often to look for new accelerators in the Ray cluster.")
 

@@ -42,7 +42,8 @@ def ray_cluster() -> Iterator[str]:
     """A local Ray instance for the whole test session; yields its address."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Four logical CPUs on this 2-core machine, so tests can run four one-thread CPU workers.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

@@ -22,8 +22,9 @@ class ArrayWorker:
         self.name = name
         self.device_type = device_type
         if device_type == "cpu":
-            # Ray pins OMP threads to the actor's CPUs; torch must agree or it oversubscribes.
-            torch.set_num_threads(num_threads)
+            # Ray pins OMP threads to the actor's CPUs; torch must agree or it oversubscribes,
+            # and never more threads than the node has cores (Ray's CPUs may be logical).
+            torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
         self.device = self._device(device_type)
 
     @staticmethod
@@ -34,9 +35,22 @@ class ArrayWorker:
             return xm.xla_device()
         return torch.device(device_type)
 
-    def info(self) -> dict[str, str]:
-        """Where this worker runs, for the ``ft_workers`` table."""
-        return {"name": self.name, "device_type": self.device_type, "node": f"{socket.gethostname()}:{os.getpid()}"}
+    def info(self) -> dict[str, str | int]:
+        """Where this worker runs and how much device memory it has."""
+        if self.device_type == "cuda":
+            memory = torch.cuda.get_device_properties(self.device).total_memory
+        elif self.device_type == "xla":
+            import torch_xla.core.xla_model as xm
+
+            memory = xm.get_memory_info(self.device)["bytes_limit"]
+        else:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return {
+            "name": self.name,
+            "device_type": self.device_type,
+            "node": f"{socket.gethostname()}:{os.getpid()}",
+            "memory_bytes": memory,
+        }
 
     def run(self, spec: ArraySpec) -> ArrayOutcome:
         return train_array(spec, self.device)

@@ -28,6 +28,7 @@ class WorkerHandle:
     num_threads: int
     actor: ray.actor.ActorHandle
     node: str = ""
+    memory_bytes: int = 16 << 30
     spec: ArraySpec | None = None
     ref: ray.ObjectRef | None = field(default=None, repr=False)
 
@@ -74,6 +75,8 @@ class WorkerPool:
         infos = ray.get([w.actor.info.remote() for w in started])
         for worker, info in zip(started, infos, strict=True):
             worker.node = info["node"]
+            # CPU workers on one node share its memory.
+            worker.memory_bytes = int(info["memory_bytes"]) // (self.cpu_workers if worker.device_type == "cpu" else 1)
         return started
 
     @staticmethod

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fastapi import APIRouter, Depends, Query, Request, status
+from fastapi import APIRouter, Depends, Path, Query, Request, status
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from server import service
-from server.schemas import ArrayOut, Health, StudyCreate, StudyOut, TrialOut
+from server.schemas import ArrayOut, Health, StudyCreate, StudyOut, TenantOut, TenantUpdate, TrialOut
 
 router = APIRouter(prefix="/api/v1")
 health_router = APIRouter()
@@ -52,6 +52,19 @@ def list_trials(study_id: int, session: Session = Depends(get_session), url: str
 def list_arrays(study_id: int | None = Query(None), session: Session = Depends(get_session)) -> list[ArrayOut]:
     """Fused arrays, optionally of one study: members, worker, progress and measured throughput."""
     return service.list_arrays(session, study_id)
+
+
+@router.get("/tenants", response_model=list[TenantOut], tags=["tenants"])
+def list_tenants(session: Session = Depends(get_session)) -> list[TenantOut]:
+    return service.list_tenants(session)
+
+
+@router.put("/tenants/{name}", response_model=TenantOut, tags=["tenants"])
+def put_tenant(
+    body: TenantUpdate, name: str = Path(min_length=1, max_length=255), session: Session = Depends(get_session)
+) -> TenantOut:
+    """Set a tenant's weight: its share of the devices when tenants compete."""
+    return service.put_tenant(session, name, body)
 
 
 @health_router.get("/healthz", response_model=Health, tags=["health"])

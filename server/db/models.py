@@ -54,6 +54,16 @@ def _enum(cls: type[enum.Enum]) -> Enum:
     return Enum(cls, native_enum=False, length=16, validate_strings=True)
 
 
+class Tenant(Base):
+    """A party sharing the cluster; its weight replicates its fair share (2.0 = two shares)."""
+
+    __tablename__ = "ft_tenants"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Study(Base):
     """A tuning study: which workload, how many trials, and how to sample and prune them."""
 
@@ -61,7 +71,9 @@ class Study(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(255), unique=True)
-    tenant: Mapped[str] = mapped_column(String(255), default="default", index=True)
+    tenant: Mapped[str] = mapped_column(
+        ForeignKey("ft_tenants.name", name="fk_ft_studies_tenant"), default="default", index=True
+    )
     workload: Mapped[str] = mapped_column(String(255))
     n_trials: Mapped[int] = mapped_column(Integer)
     epochs: Mapped[int] = mapped_column(Integer)

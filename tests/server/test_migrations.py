@@ -19,7 +19,7 @@ def test_upgrade_creates_every_table_and_is_idempotent(database_url: str) -> Non
     upgrade(database_url)
     assert set(Base.metadata.tables) <= tables(database_url)
     with get_engine(database_url).connect() as conn:
-        assert conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar_one() == "0001"
+        assert conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar_one() == "0002"
 
 
 def test_migrations_match_the_models(database_url: str) -> None:
@@ -51,3 +51,20 @@ def test_downgrade_removes_only_our_tables(database_url: str) -> None:
     remaining = tables(database_url)
     assert not {t for t in remaining if t.startswith("ft_")}
     assert "studies" in remaining
+
+
+def test_tenants_migration_gives_existing_tenants_one_share(database_url: str) -> None:
+    config = alembic_config(database_url)
+    with get_engine(database_url).begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0001")
+        conn.execute(
+            sa.text(
+                "INSERT INTO ft_studies (name, tenant, workload, n_trials, epochs, direction, sampler,"
+                " optuna_study_id, state, created_at) VALUES ('old', 'acme', 'digits-mlp', 1, 1,"
+                " 'maximize', '{}', 1, 'RUNNING', CURRENT_TIMESTAMP)"
+            )
+        )
+    upgrade(database_url)
+    with get_engine(database_url).connect() as conn:
+        assert conn.execute(sa.text("SELECT name, weight FROM ft_tenants")).all() == [("acme", 1.0)]

@@ -19,7 +19,7 @@ def row_counts(url: str) -> dict[str, int]:
     with get_engine(url).connect() as conn:
         return {
             table: conn.execute(sa.text(f"SELECT COUNT(*) FROM {table}")).scalar_one()
-            for table in ("ft_studies", "ft_trials", "ft_arrays", "studies", "trials")
+            for table in ("ft_studies", "ft_trials", "ft_arrays", "ft_tenants", "studies", "trials")
         }
 
 
@@ -113,3 +113,21 @@ def test_unknown_study_is_404(api: httpx.Client) -> None:
 def test_healthz_names_the_database(api: httpx.Client, database_url: str) -> None:
     body = api.get("/healthz").json()
     assert body == {"status": "ok", "database": database_url.split("+")[0].split(":")[0], "workers": 0}
+
+
+def test_tenants_are_created_with_one_share_and_reweighted(api: httpx.Client) -> None:
+    assert api.post("/api/v1/studies", json={**VALID, "tenant": "acme"}).status_code == 201
+    assert api.get("/api/v1/tenants").json() == [{"name": "acme", "weight": 1.0}]
+    response = api.put("/api/v1/tenants/acme", json={"weight": 3})
+    assert response.status_code == 200 and response.json() == {"name": "acme", "weight": 3.0}
+    assert api.put("/api/v1/tenants/beta", json={"weight": 0.5}).json() == {"name": "beta", "weight": 0.5}
+    assert [t["name"] for t in api.get("/api/v1/tenants").json()] == ["acme", "beta"]
+
+
+@pytest.mark.parametrize("body", [{"weight": 0}, {"weight": -1}, {}, {"weight": "heavy"}, {"weight": 1, "x": 1}])
+def test_bad_tenant_weight_is_422_naming_the_field(api: httpx.Client, database_url: str, body: dict) -> None:
+    before = row_counts(database_url)
+    response = api.put("/api/v1/tenants/acme", json=body)
+    assert response.status_code == 422
+    assert any(loc[:2] == ["body", "weight"] or loc[:2] == ["body", "x"] for loc in field_of(response))
+    assert row_counts(database_url) == before
