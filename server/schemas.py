@@ -142,6 +142,8 @@ class StudyOut(BaseModel):
 
 
 class TrialOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
     id: int
     number: int
     optuna_trial_id: int
@@ -149,7 +151,7 @@ class TrialOut(BaseModel):
     params: dict[str, Any]
     value: float | None
     intermediate_values: dict[int, float] = Field(
-        description="Validation metric after each epoch (epoch index -> value)."
+        default_factory=dict, description="Validation metric after each epoch (epoch index -> value)."
     )
     array_id: int | None
     signature: str
@@ -160,13 +162,15 @@ class TrialOut(BaseModel):
 
 
 class ArrayOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
     id: int
     study_id: int
     signature: str
     state: ArrayState
     size: int
-    trial_ids: list[int]
-    worker: str | None
+    trial_ids: list[int] = Field(description="Members, by slot.")
+    worker: str | None = Field(validation_alias="worker_name")
     device_type: str | None
     epochs_done: int
     models_steps_per_s: float | None

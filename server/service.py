@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from server.db import Array, ArrayMember, Study, Tenant, Trial, TrialState, get_optuna_storage
+from server.db import Array, Study, Tenant, Trial, TrialState, get_optuna_storage
 from server.optuna_specs import make_sampler
 from server.schemas import ArrayOut, BestTrial, StudyCreate, StudyOut, TenantOut, TenantUpdate, TrialOut
 from workers.workloads import get_workload
@@ -121,24 +121,10 @@ def list_trials(session: Session, url: str, study_id: int) -> list[TrialOut]:
     trials = session.scalars(select(Trial).where(Trial.study_id == study_id).order_by(Trial.number))
     out = []
     for t in trials:
-        ft = frozen.get(t.optuna_trial_id)
-        out.append(
-            TrialOut(
-                id=t.id,
-                number=t.number,
-                optuna_trial_id=t.optuna_trial_id,
-                state=t.state,
-                params=t.params,
-                value=t.value,
-                intermediate_values=dict(ft.intermediate_values) if ft else {},
-                array_id=t.array_id,
-                signature=t.signature,
-                error=t.error,
-                created_at=t.created_at,
-                started_at=t.started_at,
-                completed_at=t.completed_at,
-            )
-        )
+        trial = TrialOut.model_validate(t)
+        if t.optuna_trial_id in frozen:
+            trial.intermediate_values = dict(frozen[t.optuna_trial_id].intermediate_values)
+        out.append(trial)
     return out
 
 
@@ -147,31 +133,7 @@ def list_arrays(session: Session, study_id: int | None = None) -> list[ArrayOut]
     if study_id is not None:
         _study(session, study_id)
         query = query.where(Array.study_id == study_id)
-    out = []
-    for a in session.scalars(query):
-        trial_ids = list(
-            session.scalars(
-                select(ArrayMember.trial_id).where(ArrayMember.array_id == a.id).order_by(ArrayMember.slot)
-            )
-        )
-        out.append(
-            ArrayOut(
-                id=a.id,
-                study_id=a.study_id,
-                signature=a.signature,
-                state=a.state,
-                size=len(trial_ids),
-                trial_ids=trial_ids,
-                worker=a.worker.name if a.worker else None,
-                device_type=a.worker.device_type if a.worker else None,
-                epochs_done=a.epochs_done,
-                models_steps_per_s=a.models_steps_per_s,
-                error=a.error,
-                created_at=a.created_at,
-                completed_at=a.completed_at,
-            )
-        )
-    return out
+    return [ArrayOut.model_validate(a) for a in session.scalars(query)]
 
 
 def list_tenants(session: Session) -> list[TenantOut]:

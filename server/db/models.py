@@ -137,6 +137,23 @@ class Array(Base):
     trials: Mapped[list[Trial]] = relationship(back_populates="array", foreign_keys=[Trial.array_id])
     worker: Mapped[Worker | None] = relationship()
 
+    @property
+    def trial_ids(self) -> list[int]:
+        """Member trial ids, by slot."""
+        return [m.trial_id for m in self.members]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def worker_name(self) -> str | None:
+        return self.worker.name if self.worker else None
+
+    @property
+    def device_type(self) -> str | None:
+        return self.worker.device_type if self.worker else None
+
 
 class ArrayMember(Base):
     """Which trial sits in which slot of an array (the history stays when a trial is re-queued)."""
