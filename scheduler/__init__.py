@@ -5,7 +5,8 @@ Public surface (everything else lives in private modules):
 * :func:`shape_signature`, :class:`Signature`, :func:`fusible_params` -- fusion keys.
 * :class:`PendingTrial`, :class:`ArrayPlan`, :func:`pack` -- balanced packing.
 * :class:`Device`, :class:`Tenant`, :class:`Placement`, :class:`Decision` -- round I/O.
-* :class:`ThroughputModel`, :class:`SpeedupCurve` -- fused-array speed, prior + online.
+* :class:`ThroughputModel`, :class:`SpeedupCurve`, :func:`fit_curve` -- fused-array
+  speed: documented prior, dry-run seeds, online updates.
 * :class:`Scheduler`, :func:`make_scheduler`, ``POLICIES`` -- the per-round decision.
 * :class:`AllocationProblem`, :class:`Allocation`, :func:`solve_allocation` -- the LPs.
 """
@@ -14,7 +15,7 @@ from scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy,
 from scheduler._packing import ArrayPlan, PendingTrial, pack
 from scheduler._scheduler import POLICIES, PolicyName, Scheduler, make_scheduler
 from scheduler._signature import Signature, fusible_params, shape_signature
-from scheduler._throughput import SpeedupCurve, ThroughputModel
+from scheduler._throughput import SpeedupCurve, ThroughputModel, fit_curve
 from scheduler._types import Decision, Device, Placement, Tenant
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "SpeedupCurve",
     "Tenant",
     "ThroughputModel",
+    "fit_curve",
     "fusible_params",
     "make_scheduler",
     "pack",

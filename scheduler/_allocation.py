@@ -47,6 +47,8 @@ FairnessPolicy = Literal["max_min", "oef", "oef_noncooperative"]
 
 _TOL = 1e-7
 _ENVY_PENALTY = 1e3  # per unit of envy, relative to the largest per-device rate
+_SI_HEADROOM = 0.02  # aim 2% above the equal share where capacity allows
+_SI_PENALTY = 1e2  # per unit of missed headroom, relative to the largest per-device rate
 _STICKINESS = 1e-3  # tie-break bonus for incumbent placements, relative to the mean rate
 
 
@@ -290,8 +292,22 @@ def _oef(
     value = np.zeros((T, G))
     np.maximum.at(value, (owner, v.typ), v.rate)
     w = p.weights.astype(float)
-    rows: list[sparse.spmatrix] = [base_a, -u_mat[active]]
-    rhs: list[np.ndarray] = [base_b, -(e[active] - _TOL)]
+    # Sharing incentive with headroom: u_i >= (1 + h) e_i - z_i with 0 <= z_i <= h e_i,
+    # so u_i >= e_i always and, where capacity allows, a little more.  The headroom
+    # absorbs the integer rounding of later rounds (a realised share that dips below
+    # the fractional one), the shortfall z is penalised between throughput and envy.
+    act = np.flatnonzero(active)
+    n_z = act.size
+    eye_z = sparse.identity(n_z, format="csr")
+    rows: list[sparse.spmatrix] = [
+        sparse.hstack([base_a, sparse.csr_matrix((base_a.shape[0], n_z))]),
+        sparse.hstack([-u_mat[act], -eye_z]),
+        sparse.hstack([sparse.csr_matrix((n_z, n)), eye_z]),
+    ]
+    rhs: list[np.ndarray] = [base_b, -((1 + _SI_HEADROOM) * e[act] - _TOL), _SI_HEADROOM * e[act]]
+    si_penalty = _SI_PENALTY * max(1.0, float(v.rate.max()))
+    x_obj = np.concatenate([-v.rate - prefer, np.full(n_z, si_penalty)])
+    n_x = n + n_z
     enviers = np.flatnonzero(active & ~saturated)
     others = np.flatnonzero(active)
     if enviers.size and others.size > 1:
@@ -344,14 +360,17 @@ def _oef(
             (np.full(m, -1.0), (np.arange(m), [slack_of[int(i)] for i in row_envier])), shape=(m, n_s)
         )
         ub = [sparse.hstack([r, sparse.csr_matrix((r.shape[0], n_a + n_s))]) for r in rows]
-        ub.append(sparse.hstack([sparse.csr_matrix((m, n)), coef, s_col]))
+        ub.append(sparse.hstack([sparse.csr_matrix((m, n_x)), coef, s_col]))
         rhs.append(np.full(m, _TOL))
-        a_eq = sparse.hstack([bundle, -sparse.identity(n_a, format="csr"), sparse.csr_matrix((n_a, n_s))]).tocsr()
+        a_eq = sparse.hstack(
+            [bundle, sparse.csr_matrix((n_a, n_z)), -sparse.identity(n_a, format="csr"), sparse.csr_matrix((n_a, n_s))]
+        ).tocsr()
         penalty = _ENVY_PENALTY * max(1.0, float(v.rate.max()))
-        obj = np.concatenate([-v.rate - prefer, np.zeros(n_a), np.full(n_s, penalty)])
+        obj = np.concatenate([x_obj, np.zeros(n_a), np.full(n_s, penalty)])
         sol, secs = _linprog(obj, sparse.vstack(ub).tocsr(), np.concatenate(rhs), a_eq, np.zeros(n_a))
         return (sol[:n] if sol is not None else None), secs
-    return _linprog(-v.rate - prefer, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
+    sol, secs = _linprog(x_obj, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
+    return (sol[:n] if sol is not None else None), secs
 
 
 def solve_allocation(

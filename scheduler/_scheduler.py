@@ -504,12 +504,16 @@ class Scheduler:
                     heapq.heappush(heap, (-float(behind[chosen]), -float(x[chosen, gi] > 0), chosen))
 
         # Rounding debt for the next round (classes that vanished are forgotten).
-        # A class whose every trial is placed is owed nothing: it could not have used more.
+        # A class whose every trial is placed, each on a type the allocation gave it, is
+        # owed nothing (it could not have used more).  One placed beyond its allocation
+        # on some type (backfill onto a slower type) keeps its debt on the others.
+        displaced = (placed_count - x > 1e-6).any(axis=1)
         self._carry = {
             (c, g): float(np.clip(desired[ci, gi] - placed_count[ci, gi], -_CARRY_LIMIT, _CARRY_LIMIT))
             for ci, c in enumerate(classes)
             for gi, g in enumerate(types)
-            if queues[c] and (x[ci, gi] > 0 or placed_count[ci, gi] > 0 or abs(carry[ci, gi]) > 1e-9)
+            if (queues[c] or displaced[ci])
+            and (x[ci, gi] > 0 or placed_count[ci, gi] > 0 or abs(carry[ci, gi]) > 1e-9)
         }
         return placements
 

@@ -26,9 +26,11 @@ from torch import nn
 
 __all__ = ["Signature", "shape_signature", "fusible_params", "canonical_json"]
 
-# Module attributes that change which kernel runs (not just its numbers), so two modules
-# that differ in one of them cannot share a fused operator even when their weight shapes
-# match (e.g. Conv2d stride 1 vs 2, or MaxPool kernel 2 vs 3, which has no weights at all).
+# Module attributes that change which kernel runs, or that one fused kernel call must
+# share, so two modules that differ in one of them cannot share a fused operator even
+# when their weight shapes match (e.g. Conv2d stride 1 vs 2, MaxPool kernel 2 vs 3, which
+# has no weights at all, or LayerNorm eps).  Dropout p and BatchNorm momentum are absent
+# on purpose: the fusion engine keeps one value per member.
 _STRUCTURAL_ATTRS: tuple[str, ...] = (
     "kernel_size",
     "stride",
@@ -59,6 +61,20 @@ _STRUCTURAL_ATTRS: tuple[str, ...] = (
     "start_dim",
     "end_dim",
     "dim",
+    # Numeric configuration the fusion engine refuses to differ per member (it fuses
+    # one kernel call with one value): normalisation eps, activation shapes.
+    "eps",
+    "negative_slope",
+    "approximate",
+    "alpha",
+    "beta",
+    "threshold",
+    "lambd",
+    "min_val",
+    "max_val",
+    "lower",
+    "upper",
+    "nonlinearity",
 )
 
 _DIGEST_HEX_CHARS = 16  # 64 bits: collisions are negligible for the signatures one service sees

@@ -16,7 +16,8 @@ solo speed.  Sources, most trusted first:
 
 1. online measurements from workers (:meth:`ThroughputModel.observe`), exponentially
    averaged; a measurement at B > 1 updates ``c`` given the current ``T1``;
-2. curves seeded from the fusion engine's dry runs (:meth:`ThroughputModel.set_curve`);
+2. curves seeded from the fusion engine's dry runs (:func:`fit_curve` on its
+   ``SizingResult``, then :meth:`ThroughputModel.set_curve`);
 3. the documented prior: ``T1 = prior_solo[device_type]`` (1.0 steps/s if unknown) and
    ``c = prior_marginal_cost`` (0.5: a fused member costs half a solo model, a
    deliberately conservative value; HFTA's small models measure 0.04–0.1).
@@ -28,7 +29,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["SpeedupCurve", "ThroughputModel", "DEFAULT_MARGINAL_COST"]
+__all__ = ["SpeedupCurve", "ThroughputModel", "DEFAULT_MARGINAL_COST", "fit_curve"]
 
 DEFAULT_MARGINAL_COST = 0.5
 _MIN_MARGINAL_COST = 1e-3  # keeps T(B) finite; no fused kernel is literally free
@@ -71,6 +72,34 @@ class SpeedupCurve:
         if self.member_bytes <= 0:
             return 1 << 30
         return max(0, (memory_bytes - self.base_bytes) // self.member_bytes)
+
+
+def fit_curve(
+    solo_steps_per_s: float,
+    throughput: Mapping[int, float],
+    base_bytes: int = 0,
+    member_bytes: int = 0,
+) -> SpeedupCurve:
+    """Fit a curve to dry-run measurements (the fusion engine's ``SizingResult``).
+
+    ``throughput`` maps B to measured models·steps/s.  Each B > 1 implies a marginal cost
+    ``c_B = (B·T1/T(B) − 1)/(B − 1)``; the median is robust to one noisy size.  Without
+    any B > 1 the prior marginal cost is kept.
+    """
+    if solo_steps_per_s <= 0:
+        raise ValueError(f"solo_steps_per_s must be > 0, got {solo_steps_per_s}")
+    implied = sorted(
+        min(1.0, max(_MIN_MARGINAL_COST, (b * solo_steps_per_s / t - 1.0) / (b - 1)))
+        for b, t in throughput.items()
+        if b > 1 and t > 0
+    )
+    if not implied:
+        c = DEFAULT_MARGINAL_COST
+    elif len(implied) % 2:
+        c = implied[len(implied) // 2]
+    else:
+        c = 0.5 * (implied[len(implied) // 2 - 1] + implied[len(implied) // 2])
+    return SpeedupCurve(solo_steps_per_s, c, base_bytes, member_bytes)
 
 
 class ThroughputModel:

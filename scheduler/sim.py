@@ -52,7 +52,7 @@ def format_table(results: Sequence[SimResult], baseline: str = "gavel") -> str:
 
         rows.append(
             f"| {r.policy} | {r.norm_throughput:.2f} | {ratio(baseline)} | {ratio('fifo')} | {r.avg_jct_h:.2f} "
-            f"| {r.p99_jct_h:.2f} | {r.makespan_h:.1f} | {r.jain:.3f} | {r.si_min:.3f} | {r.max_envy:.3f} "
+            f"| {r.p99_jct_h:.2f} | {r.makespan_h:.1f} | {r.jain:.3f} | {r.si_min:.4f} | {r.max_envy:.3f} "
             f"| {r.rho_max:.2f} | {r.solver_ms_mean:.1f} / {r.solver_ms_max:.1f} |"
         )
     return "\n".join(rows)
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print("sharing-incentive ratio per tenant (u_i / u_i(equal share)):")
     for r in results:
-        print(f"  {r.policy}: " + ", ".join(f"{t}={v:.3f}" for t, v in sorted(r.si_by_tenant.items())))
+        print(f"  {r.policy}: " + ", ".join(f"{t}={v:.4f}" for t, v in sorted(r.si_by_tenant.items())))
     return 0
 
 

@@ -142,7 +142,13 @@ def test_sharing_incentive_and_envy_freeness(inst, policy: str) -> None:
         bundle = np.zeros((len(names), problem.n_types))
         for ci in range(problem.n_classes):
             bundle[owner[ci]] += alloc.devices[ci]
-        for i in np.flatnonzero(alloc.unmet & ~alloc.saturated):
+        n_classes = np.bincount(owner, minlength=len(names))
+        # OEF's envy-freeness is exact for its valuation model, one job type per tenant
+        # (a linear per-type value); a tenant running several signatures at once is valued
+        # by its best rate per type, an over-approximation, so the exact check below is
+        # made for single-signature tenants.  Only a tenant with trials left unheld can
+        # envy: the others could not use more devices.
+        for i in np.flatnonzero(alloc.unmet & ~alloc.saturated & (n_classes == 1)):
             own = _best_use(problem, i, bundle[i])
             for j in set(owner.tolist()) - {i}:
                 scaled = bundle[j] * problem.weights[i] / problem.weights[j]

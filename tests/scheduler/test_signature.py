@@ -155,3 +155,13 @@ def test_fusible_params_derived_from_signature() -> None:
         "lr": True,
         "weight_decay": True,
     }
+
+
+def test_numeric_config_the_fusion_engine_refuses_splits_signature() -> None:
+    # eps must be shared by one fused LayerNorm call; dropout p may differ per member.
+    assert shape_signature(nn.LayerNorm(8, eps=1e-5), {}).digest != shape_signature(nn.LayerNorm(8, eps=1e-6), {}).digest
+    assert shape_signature(nn.LeakyReLU(0.1), {}).digest != shape_signature(nn.LeakyReLU(0.2), {}).digest
+    assert shape_signature(nn.Dropout(0.1), {}).digest == shape_signature(nn.Dropout(0.5), {}).digest
+    bn_a = nn.BatchNorm1d(4, momentum=0.1)
+    bn_b = nn.BatchNorm1d(4, momentum=0.3)
+    assert shape_signature(bn_a, {}).digest == shape_signature(bn_b, {}).digest

@@ -57,3 +57,16 @@ def test_invalid_model_arguments() -> None:
         ThroughputModel(smoothing=0.0)
     with pytest.raises(ValueError):
         ThroughputModel(prior_marginal_cost=1.5)
+
+
+def test_fit_curve_from_dry_run() -> None:
+    from scheduler import fit_curve
+
+    truth = SpeedupCurve(10.0, 0.1)
+    measured = {b: truth.rate(b) for b in (1, 2, 4, 8)}
+    curve = fit_curve(10.0, measured, base_bytes=100, member_bytes=50)
+    assert curve.marginal_cost == pytest.approx(0.1)
+    assert (curve.base_bytes, curve.member_bytes) == (100, 50)
+    assert fit_curve(10.0, {1: 10.0}).marginal_cost == 0.5  # no fused size: the prior
+    with pytest.raises(ValueError):
+        fit_curve(0.0, {})
