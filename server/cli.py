@@ -91,8 +91,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import ray
+
     settings = get_settings()
     print(f"fusetune: database {settings.database_url}; starting the service and a local Ray instance ...")
+    # Ray installs its signal handlers only from the main thread, not from uvicorn's.
+    ray.init(address=settings.ray_address, include_dashboard=False, log_to_driver=False)
     server = BackgroundServer(settings).start()
     try:
         with Client(server.url) as client:
