@@ -51,15 +51,17 @@ def per_member_loss(
             raise ValueError(f"loss_fn: expected {b} loss functions, got {len(loss_fn)}")
         return torch.stack([fn(out[i], target[i]) for i, fn in enumerate(loss_fn)])
     ce = _mean_reduced_cross_entropy(loss_fn)
-    if ce is not None and not target.is_floating_point() and out.dim() == 3 and target.dim() == 2:
-        # Fast path for the common classification case: one kernel for all
-        # members, then torch's own "mean over non-ignored targets" per member.
+    if ce is not None and not target.is_floating_point() and out.dim() == target.dim() + 1 >= 3:
+        # Fast path for class-index targets ([B, N, C, *d] vs [B, N, *d]): one
+        # kernel for all members, then torch's "mean over non-ignored targets"
+        # per member.
         n = out.shape[1]
-        per_sample = F.cross_entropy(
-            out.reshape(b * n, -1), target.reshape(b * n), reduction="none", **ce
-        ).view(b, n)
-        valid = (target != ce.get("ignore_index", -100)).sum(1)
-        return per_sample.sum(1) / valid.to(per_sample.dtype)
+        per_elem = F.cross_entropy(
+            out.reshape(b * n, *out.shape[2:]), target.reshape(b * n, *target.shape[2:]),
+            reduction="none", **ce,
+        ).reshape(b, -1)
+        valid = (target.reshape(b, -1) != ce.get("ignore_index", -100)).sum(1)
+        return per_elem.sum(1) / valid.to(per_elem.dtype)
     try:
         return torch.func.vmap(loss_fn)(out, target)
     except Exception:

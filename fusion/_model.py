@@ -175,6 +175,8 @@ class FusedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run every member on its own inputs; tensors are ``[B, N, ...]``."""
         b = self._num_members
+        if not kwargs and self.training in self._out_axes and all(isinstance(a, torch.Tensor) for a in args):
+            return self._forward_tensors(args)
         leaves, spec = _tensor_leaves((args, kwargs))
         for t in leaves:
             if isinstance(t, torch.Tensor):
@@ -193,6 +195,28 @@ class FusedModel(nn.Module):
         fargs, fkwargs = pytree.tree_unflatten(folded, spec)
         out = self.module(*fargs, **fkwargs)
         out_leaves, out_spec = _tensor_leaves(out)
+        return self._unfold(out_leaves, out_spec)
+
+    def _forward_tensors(self, args: tuple[torch.Tensor, ...]) -> Any:
+        """Fast path of :meth:`forward` for positional tensor inputs after the dry run."""
+        b = self._num_members
+        for t in args:
+            if t.dim() < 2 or t.shape[0] != b:
+                raise FusionError(
+                    f"fused inputs must be [B={b}, N, ...] (member axis first); got a tensor of "
+                    f"shape {tuple(t.shape)}. Use fusion.broadcast(x, {b}) for a shared input"
+                )
+        out = self.module(*(t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]) for t in args))
+        axes = self._out_axes[self.training]
+        if isinstance(out, torch.Tensor) and len(axes) == 1 and axes[0] is not None:
+            axis = axes[0]
+            out = out.unflatten(axis, (b, -1))
+            return out if axis == 0 else out.movedim(axis, 0)
+        out_leaves, out_spec = _tensor_leaves(out)
+        return self._unfold(out_leaves, out_spec)
+
+    def _unfold(self, out_leaves: list[Any], out_spec: Any) -> Any:
+        b = self._num_members
         axes = self._out_axes[self.training]
         if len(axes) != len(out_leaves):
             raise FusionError(

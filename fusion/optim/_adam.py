@@ -93,12 +93,12 @@ class Adam(FusedOptimizer):
         """
         kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
         states = [self.state[p] for p in params]
-        p_m = self._member_views(params)
+        p_m = self._member_views(params, persistent=True)
         g_m = self._member_views([p.grad for p in params])
-        a_m = self._member_views([s["exp_avg"] for s in states])
-        q_m = self._member_views([s["exp_avg_sq"] for s in states])
-        x_m = self._member_views([s["max_exp_avg_sq"] for s in states]) if group["amsgrad"] else None
-        s_m = self._member_views([s["step"] for s in states])
+        a_m = self._member_views([s["exp_avg"] for s in states], persistent=True)
+        q_m = self._member_views([s["exp_avg_sq"] for s in states], persistent=True)
+        x_m = self._member_views([s["max_exp_avg_sq"] for s in states], persistent=True) if group["amsgrad"] else None
+        s_m = self._member_views([s["step"] for s in states], persistent=True)
         for b in range(self.num_members):
             beta1, beta2 = group["betas"][b]
             kernel(

@@ -98,6 +98,15 @@ class FusedOptimizer(Optimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check value ranges like the torch twin does (per member)."""
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``; also drops cached views of the old state."""
+        self.__dict__.pop("_view_cache", None)
+        self._hp_cache.clear()
+        super().load_state_dict(state_dict)
+        groups = state_dict["param_groups"]
+        if groups:
+            self.num_members = len(groups[0]["lr"])
+
     # ------------------------------------------------------------------ helpers
     def _hp(self, values: Sequence[float], like: torch.Tensor, cache: bool = True) -> torch.Tensor:
         """``values`` as a tensor broadcastable against ``like`` (member axis first).
@@ -135,8 +144,22 @@ class FusedOptimizer(Optimizer):
             for p in params
         )
 
-    def _member_views(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Per member, the list of its slices of ``tensors`` (views, no copies)."""
+    def _member_views(self, tensors: list[torch.Tensor], persistent: bool = False) -> list[list[torch.Tensor]]:
+        """Per member, the list of its slices of ``tensors`` (views, no copies).
+
+        ``persistent`` tensors (parameters, optimizer state) keep their storage
+        from step to step, so their slices are cached, keyed by storage address
+        and shape (a membership change or ``load_state_dict`` changes both).
+        """
+        if persistent:
+            key = tuple((t.data_ptr(), t.shape) for t in tensors)
+            cache = self.__dict__.setdefault("_view_cache", {})
+            views = cache.get(key)
+            if views is None:
+                if len(cache) > 256:
+                    cache.clear()
+                views = cache[key] = self._member_views(tensors)
+            return views
         per_tensor = [t.unbind(0) for t in tensors]
         return [list(views) for views in zip(*per_tensor)]
 
@@ -163,6 +186,7 @@ class FusedOptimizer(Optimizer):
                     state[k] = v.index_select(0, torch.tensor(keep, device=v.device))
         self.num_members = len(keep)
         self._hp_cache.clear()
+        self.__dict__.pop("_view_cache", None)
         # Per-member views and schedulers (fusion.lr_scheduler) follow the removal.
         views = self.__dict__.get("_scheduler_views")
         if views is not None:
@@ -206,6 +230,7 @@ class FusedOptimizer(Optimizer):
                         state[k] = torch.cat([v, fresh])
         self.num_members += count
         self._hp_cache.clear()
+        self.__dict__.pop("_view_cache", None)
 
     def add_membership_listener(self, method: Any) -> None:
         """Call bound ``method(keep)`` after :meth:`remove_members` (held weakly)."""

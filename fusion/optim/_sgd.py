@@ -83,8 +83,8 @@ class SGD(FusedOptimizer):
             # Members share the step counter of every parameter they own; a
             # member is on its first step when its count is zero.
             first = [s == 0 for s in states[0]["member_steps"].tolist()]
-            bufs = self._member_views([s["momentum_buffer"] for s in states])
-        p_m = self._member_views(params)
+            bufs = self._member_views([s["momentum_buffer"] for s in states], persistent=True)
+        p_m = self._member_views(params, persistent=True)
         g_m = self._member_views([p.grad for p in params])
         for b in range(self.num_members):
             has_momentum = momenta[b] != 0

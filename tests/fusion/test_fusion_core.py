@@ -280,3 +280,15 @@ def test_bf16_autocast_on_cpu():
         for name, p in r.named_parameters():
             assert params[name].grad.dtype == torch.float32
             torch.testing.assert_close(params[name].grad[b], p.grad, rtol=5e-2, atol=5e-2 * float(p.grad.abs().max()))
+
+
+def test_per_member_loss_sequence_targets():
+    """[B, N, C, T] logits with [B, N, T] targets (language models), with ignored positions."""
+    torch.manual_seed(0)
+    out = torch.randn(3, 4, 6, 5, dtype=torch.float64)
+    y = torch.randint(0, 6, (3, 4, 5))
+    y[2, :, -2:] = -100
+    for fn in (F.cross_entropy, nn.CrossEntropyLoss(label_smoothing=0.2)):
+        losses = fusion.per_member_loss(fn, out, y)
+        for b in range(3):
+            torch.testing.assert_close(losses[b], fn(out[b], y[b]), rtol=1e-12, atol=1e-14)
