@@ -48,6 +48,7 @@ class SimResult:
     solver_ms_mean: float
     solver_ms_max: float
     rounds: int
+    avg_trial_jct_h: float = 0.0
     jct_by_study: Mapping[int, float] = field(default_factory=dict)
 
 
@@ -234,5 +235,6 @@ def simulate(
         solver_ms_mean=float(np.mean(solver_ms)) if solver_ms else 0.0,
         solver_ms_max=float(np.max(solver_ms)) if solver_ms else 0.0,
         rounds=rounds,
+        avg_trial_jct_h=float(np.mean([done_at[t.trial_id] - t.arrival for t in trials])) / 3600.0 if trials else 0.0,
         jct_by_study=jct,
     )

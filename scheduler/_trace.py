@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TraceStudy", "TraceTrial", "load_philly_studies"]
+__all__ = ["TraceStudy", "TraceTrial", "load_philly_studies", "per_trial_tenants", "write_gavel_trace"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,32 @@ def load_philly_studies(
             )
         studies.append(TraceStudy(sid, tenant, job_type, arrival, tuple(ids)))
     return studies, trials
+
+
+def per_trial_tenants(
+    studies: Sequence[TraceStudy], trials: Sequence[TraceTrial]
+) -> tuple[list[TraceStudy], list[TraceTrial]]:
+    """Make every trial its own one-trial study and tenant.
+
+    Tenant-level fairness then becomes job-level fairness, the unit Gavel's policies use,
+    which is what the cross-check against Gavel's own simulator needs.
+    """
+    new_trials = [
+        TraceTrial(t.trial_id, t.trial_id, f"job{t.trial_id}", t.job_type, t.arrival, t.steps) for t in trials
+    ]
+    new_studies = [TraceStudy(t.trial_id, t.tenant, t.job_type, t.arrival, (t.trial_id,)) for t in new_trials]
+    return new_studies, new_trials
+
+
+def write_gavel_trace(trials: Sequence[TraceTrial], path: Path) -> None:
+    """Write ``trials`` in Gavel's trace format (``scheduler/utils.py: parse_trace``).
+
+    One line per trial, tab-separated: job type, command, working directory, step
+    argument, needs-data-dir, total steps, scale factor, priority weight, SLO, arrival
+    time.  Commands are placeholders: Gavel's simulator only reads type, steps, scale and
+    arrival.
+    """
+    with path.open("w") as fh:
+        for t in sorted(trials, key=lambda t: (t.arrival, t.trial_id)):
+            steps = max(1, int(round(t.steps)))
+            fh.write(f"{t.job_type}\tfusetune-sim\t.\t-n\t0\t{steps}\t1\t1\t-1\t{t.arrival:.6f}\n")
