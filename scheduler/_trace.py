@@ -114,8 +114,8 @@ def write_gavel_trace(trials: Sequence[TraceTrial], path: Path) -> None:
 
     One line per trial, tab-separated: job type, command, working directory, step
     argument, needs-data-dir, total steps, scale factor, priority weight, SLO, arrival
-    time.  The command fields name this simulator: Gavel's simulator only reads type, steps, scale and
-    arrival.
+    time.  The command fields name this simulator: Gavel's simulator only reads type,
+    steps, scale and arrival.
     """
     with path.open("w") as fh:
         for t in sorted(trials, key=lambda t: (t.arrival, t.trial_id)):
