@@ -134,7 +134,7 @@ class Scheduler:
         best_solo: dict[str, float] = {}
         for ci, (_, sig) in enumerate(classes):
             if sig not in best_solo:
-                best_solo[sig] = max(self.throughput.curve(sig, g).solo_steps_per_s for g in types)
+                best_solo[sig] = max((self.throughput.curve(sig, g).solo_steps_per_s for g in types), default=0.0)
             for gi, g in enumerate(types):
                 b = min(self._members(sig, g, memory[g]), int(dem[ci]))
                 if b < 1 or best_solo[sig] <= 0:
@@ -200,18 +200,26 @@ class Scheduler:
         # Running arrays whose device and trials still exist.
         current: list[tuple[Placement, Device, list[int]]] = []
         busy: set[int] = set()
+        used_devices: set[str] = set()
         for p in running:
             d = device_by_id.get(p.device_id)
             alive = [i for i in p.trial_ids if i in by_id and i not in busy]
-            if d is None or not alive:
+            if d is None or not alive or p.device_id in used_devices:
                 continue
+            if any((by_id[i].tenant, by_id[i].signature) != (p.tenant, p.signature) for i in alive):
+                # The caller's record disagrees with the trials (e.g. a trial was re-keyed):
+                # treat the array as gone so its trials are placed afresh, never mixed.
+                continue
+            used_devices.add(p.device_id)
             busy.update(alive)
             current.append((p, d, alive))
 
         allocation: Allocation | None = None
         types: tuple[str, ...] = tuple(sorted({d.device_type for d in devices}))
         solver = 0.0
-        if self.fairness is None:
+        if not devices or not trials:
+            placements = []  # nothing to run, or nowhere to run it
+        elif self.fairness is None:
             placements = self._fifo(now, trials, by_id, current, busy, devices)
         else:
             problem, types, _ = self.problem(classes, [len(members_of[c]) for c in classes], devices, weights)
@@ -233,7 +241,10 @@ class Scheduler:
             if p.device_id not in before or before[p.device_id].trial_ids != p.trial_ids
             or before[p.device_id].signature != p.signature
         )
-        preempted = tuple(sorted(i for p, _, alive in current for i in alive if i not in placed))
+        # Every trial that was running (per the caller) and is not placed now, including
+        # those whose device disappeared or whose record was not trusted.
+        was_running = {i for p in running for i in p.trial_ids if i in by_id}
+        preempted = tuple(sorted(was_running - placed))
         return Decision(
             placements=tuple(sorted(placements, key=lambda p: p.device_id)),
             started=started,

@@ -60,7 +60,8 @@ class Decision:
         started: the subset of ``placements`` that is new or whose membership changed
             (the worker must (re)start these arrays).
         preempted: trial ids that were running and now are not (checkpoint and requeue).
-        allocation: the fractional allocation the placements round (None for FIFO).
+        allocation: the fractional allocation the placements round (None for FIFO, or
+            when there are no trials or no devices).
         classes: ``(tenant, signature)`` of each row of ``allocation.devices``.
         device_types: the column order of ``allocation.devices``.
         solver_seconds: time spent in HiGHS this round.

@@ -129,6 +129,9 @@ def test_sharing_incentive_and_envy_freeness(inst, policy: str) -> None:
     sched = make_scheduler(policy, model, max_members=6)
     decision = sched.decide(0.0, trials, devices, tenants)
     alloc = decision.allocation
+    if not trials:
+        assert alloc is None and decision.placements == ()
+        return
     assert alloc is not None
     u, e = alloc.utility, alloc.equal_share
     # Sharing incentive: every tenant with work gets at least its weighted equal share.
@@ -247,3 +250,15 @@ def test_errors() -> None:
         Tenant("x", 0.0)
     with pytest.raises(ValueError, match="duplicate"):
         make_scheduler("fifo").decide(0.0, [PendingTrial(1, "s"), PendingTrial(1, "s")], [Device("d", "cpu")], [])
+
+
+@pytest.mark.parametrize("policy", ["fifo", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"])
+def test_degenerate_rounds(policy: str) -> None:
+    sched = make_scheduler(policy)
+    assert sched.decide(0.0, [], [Device("a", "cpu")], [Tenant("x")]).placements == ()
+    # No devices left: the running trial is preempted, nothing is placed.
+    gone = sched.decide(0.0, [PendingTrial(1, "s", "x")], [], [Tenant("x")], [Placement("a", "s", "x", (1,), 5.0)])
+    assert gone.placements == () and gone.preempted == (1,)
+    # A running record that disagrees with the trial's signature is not trusted.
+    fixed = sched.decide(0.0, [PendingTrial(1, "s", "x")], [Device("a", "cpu")], [], [Placement("a", "t", "x", (1,), 5.0)])
+    assert [(p.signature, p.trial_ids) for p in fixed.placements] == [("s", (1,))]
