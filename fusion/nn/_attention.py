@@ -184,10 +184,95 @@ class EncoderLayerComposablePath(nn.TransformerEncoderLayer):
         return x
 
 
+class EncoderComposablePath(nn.TransformerEncoder):
+    """``nn.TransformerEncoder`` that runs its layers on padded tensors, always.
+
+    Where torch would switch to nested tensors (inference with a padding mask),
+    its output is zero at padded positions; that is reproduced exactly by
+    zeroing them, so fused members match their unfused twins in every mode.
+    """
+
+    def _torch_would_nest(self, src: torch.Tensor, mask: torch.Tensor | None,
+                          src_key_padding_mask: torch.Tensor | None) -> list[bool]:
+        """Per member: would ``nn.TransformerEncoder.forward`` (torch 2.4-2.14) use nested tensors?
+
+        Every condition is shared by the members except the left-alignment of
+        the padding mask, which torch checks over each member's own batch.
+        """
+        b = self.layers[0].self_attn.num_members
+        never = [False] * b
+        first = self.layers[0]
+        if (
+            not torch.backends.mha.get_fastpath_enabled()
+            or not getattr(self, "use_nested_tensor", False)
+            or first.training
+            or src.dim() != 3
+            or src_key_padding_mask is None
+            or mask is not None
+            or src.is_nested
+            or torch.is_autocast_enabled()
+            or torch.compiler.is_compiling()
+        ):
+            return never
+        attn = first.self_attn
+        weights = [attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias,
+                   first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
+                   first.linear1.weight, first.linear1.bias, first.linear2.weight, first.linear2.bias]
+        tensors = [src] + [w for w in weights if w is not None]
+        if src.device.type not in ("cpu", "cuda", "xpu"):
+            return never
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return never
+        if not getattr(self, "mask_check", True):
+            return [True] * b
+        batch_dim = 0 if attn.batch_first else 1
+        keep = src_key_padding_mask.logical_not()
+        return [
+            bool(torch._nested_tensor_from_mask_left_aligned(s_b, k_b))
+            for s_b, k_b in zip(src.chunk(b, dim=batch_dim), keep.chunk(b, dim=0))
+        ]
+
+    def forward(  # type: ignore[override]
+        self,
+        src: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+    ) -> torch.Tensor:
+        src_key_padding_mask = F._canonical_mask(
+            mask=src_key_padding_mask, mask_name="src_key_padding_mask",
+            other_type=F._none_or_dtype(mask), other_name="mask", target_type=src.dtype,
+        )
+        mask = F._canonical_mask(
+            mask=mask, mask_name="mask", other_type=None, other_name="", target_type=src.dtype,
+            check_other=False,
+        )
+        nest = self._torch_would_nest(src, mask, src_key_padding_mask)
+        batch_first = self.layers[0].self_attn.batch_first
+        seq_len = src.shape[1] if batch_first else src.shape[0]
+        is_causal = nn.modules.transformer._detect_is_causal_mask(mask, is_causal, seq_len)
+        output = src
+        for mod in self.layers:
+            output = mod(output, src_mask=mask, is_causal=is_causal, src_key_padding_mask=src_key_padding_mask)
+        if any(nest):
+            assert src_key_padding_mask is not None
+            # Zero padded positions of the members torch would have nested.
+            padded = src_key_padding_mask != 0  # canonical float mask: -inf at padding
+            members = torch.tensor(nest, device=padded.device).repeat_interleave(padded.shape[0] // len(nest))
+            padded = padded & members.unsqueeze(1)
+            if not batch_first:
+                padded = padded.transpose(0, 1)
+            output = output.masked_fill(padded.unsqueeze(-1), 0.0)
+        if self.norm is not None:
+            output = self.norm(output)
+        return output
+
+
 def pin_composable_paths(module: nn.Module) -> None:
     """Switch torch Transformer modules in a fused tree off their fused-kernel fast paths."""
     if type(module) is nn.TransformerEncoderLayer:
         module.__class__ = EncoderLayerComposablePath
     elif type(module) is nn.TransformerEncoder:
-        # The nested-tensor fast path also calls fused kernels with raw weights.
-        module.use_nested_tensor = False
+        # The nested-tensor path also calls fused kernels with raw weights;
+        # EncoderComposablePath reproduces its results instead.
+        module.__class__ = EncoderComposablePath

@@ -292,3 +292,55 @@ def test_rnn_implementations(impl, kind, monkeypatch):
     for batch_first, bidirectional in ((True, True), (False, False)):
         run_equivalence(lambda: RNNLM(kind, batch_first=batch_first, bidirectional=bidirectional), lm_batch(),
                         ref, fused, b=B)
+
+
+class Seq2Seq(nn.Module):
+    """nn.Transformer-style encoder-decoder with causal and padding masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 8, padding_idx=0)
+        self.tr = nn.Transformer(8, 2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16,
+                                 dropout=0.0, batch_first=True)
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, src):
+        tgt = src[:, :4]
+        mask = self.tr.generate_square_subsequent_mask(4, dtype=self.emb.weight.dtype)
+        h = self.tr(self.emb(src), self.emb(tgt), tgt_mask=mask, src_key_padding_mask=src == 0)
+        return self.out(h.mean(1))
+
+
+def test_transformer_encoder_decoder():
+    ref, fused = sgd()
+    run_equivalence(Seq2Seq, token_batch(13, 6, pad=0), ref, fused, b=B)
+
+
+def test_encoder_nested_tensor_inference_per_member():
+    """In inference torch runs a TransformerEncoder on nested tensors when a
+    member's padding is left-aligned (padded outputs then 0); that decision is
+    per member, and the fused array reproduces it for each."""
+
+    class Enc(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2)  # enable_nested_tensor=True (default)
+
+        def forward(self, x, pad):
+            return self.enc(x, src_key_padding_mask=pad)
+
+    torch.manual_seed(0)
+    members = [Enc().double().eval() for _ in range(3)]
+    fused = fusion.fuse(members).eval()
+    x = torch.randn(3, 4, 5, 8, dtype=torch.float64)
+    pad = torch.zeros(3, 4, 5, dtype=torch.bool)
+    pad[0, :, -1] = True  # left-aligned: torch nests
+    pad[1, 0, 1] = True  # a hole: torch does not nest
+    pad[2, 1:, -2:] = True  # left-aligned
+    with torch.no_grad():
+        out = fused(x, pad)
+        for b, m in enumerate(members):
+            ref = m(x[b], pad[b])
+            torch.testing.assert_close(out[b], ref, rtol=1e-10, atol=1e-12)
+    assert (out[0, :, -1] == 0).all() and (out[1] != 0).all()
