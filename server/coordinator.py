@@ -18,7 +18,16 @@ import torch
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from scheduler import Device, PendingTrial, Placement, ThroughputModel, make_scheduler, pack, shape_signature
+from scheduler import (
+    Device,
+    PendingTrial,
+    Placement,
+    ThroughputModel,
+    fit_curve,
+    make_scheduler,
+    pack,
+    shape_signature,
+)
 from scheduler import Tenant as SchedulerTenant
 from server.db import (
     Array,
@@ -84,6 +93,7 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._worker_ids: dict[str, int] = {}
         self._running: dict[str, Placement] = {}  # device -> the array the scheduler placed there
+        self._sized: set[tuple[str, str]] = set()  # (class, device type) with a measured curve
         self.scheduler = make_scheduler(
             settings.scheduling_policy,
             ThroughputModel(prior_marginal_cost=settings.prior_marginal_cost),
@@ -263,6 +273,7 @@ class Coordinator:
         session.commit()
         spec = ArraySpec(
             array_id=array.id,
+            signature=_class_of(trials[0]),
             database_url=self.url,
             study_name=study.name,
             workload=study.workload,
@@ -278,6 +289,8 @@ class Coordinator:
     # -- recording -----------------------------------------------------------------------------
     def _record(self, worker: WorkerHandle, spec: ArraySpec, result: ArrayOutcome | BaseException) -> None:
         self._running.pop(worker.name, None)
+        if isinstance(result, ArrayOutcome):
+            self._learn(spec.signature, worker.device_type, result)
         with self.sessions.begin() as session:
             array = session.get(Array, spec.array_id)
             if isinstance(result, ArrayOutcome):
@@ -295,6 +308,30 @@ class Coordinator:
                 if self.storage.get_trial(trial.optuna_trial_id).state == optuna.trial.TrialState.RUNNING:
                     self.storage.set_trial_state_values(trial.optuna_trial_id, optuna.trial.TrialState.FAIL)
                 trial.state, trial.error, trial.completed_at = TrialState.FAIL, array.error, utcnow()
+
+    def _learn(self, signature: str, device_type: str, outcome: ArrayOutcome) -> None:
+        """Teach the scheduler's throughput model what the worker measured.
+
+        The first array of a class on a device type brings the fusion engine's dry runs (a
+        whole speed-up curve); every array then brings its own measured models·steps/s.
+        """
+        model = self.scheduler.throughput
+        if outcome.sizing is not None and (signature, device_type) not in self._sized:
+            sizing = outcome.sizing
+            if sizing["solo_steps_per_s"] > 0:
+                model.set_curve(
+                    signature,
+                    device_type,
+                    fit_curve(
+                        sizing["solo_steps_per_s"],
+                        {int(b): t for b, t in sizing["throughput"].items()},
+                        sizing["base_bytes"],
+                        sizing["member_bytes"],
+                    ),
+                )
+                self._sized.add((signature, device_type))
+        if outcome.models_steps_per_s and outcome.members and (signature, device_type) in self._sized:
+            model.observe(signature, device_type, outcome.members, outcome.models_steps_per_s)
 
     def _maybe_complete(self, session: Session, study: Study) -> None:
         counts = dict(

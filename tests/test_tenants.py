@@ -64,5 +64,12 @@ def test_devices_are_shared_by_weight(ray_cluster: str, tmp_path: Path) -> None:
             for study in session.scalars(select(Study)):
                 assert study.state.value == "COMPLETE"
                 assert {t.state.value for t in study.trials} == {"COMPLETE"}
+            classes = {f"{a.signature}@{a.study_id}" for a in session.scalars(select(Array))}
+
+        # What the workers measured replaced the prior (1 step/s) for each class on the CPU.
+        for cls in classes:
+            curve = coordinator.scheduler.throughput.curve(cls, "cpu")
+            assert curve.solo_steps_per_s > 10
+            assert curve.member_bytes > 0
     finally:
         pool.shutdown()

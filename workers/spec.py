@@ -21,6 +21,7 @@ class ArraySpec:
     """An array to train: its members, their study and where to report."""
 
     array_id: int
+    signature: str  # the scheduler's class of the members: equal shapes, one study
     database_url: str
     study_name: str
     workload: str
@@ -41,4 +42,6 @@ class ArrayOutcome:
     failed: dict[int, str] = field(default_factory=dict)
     epochs_done: int = 0
     models_steps_per_s: float | None = None
+    members: int = 0  # how many members trained (B)
+    sizing: dict[str, Any] | None = None  # fusion.sizing's dry-run result for this device type
     error: str | None = None

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fusion
+import fusion.sizing
 from workers.reporting import Reporter
 from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
 from workers.workloads import Workload, get_workload
@@ -59,6 +60,28 @@ def save_member(fused: fusion.FusedModel, index: int, spec: ArraySpec, member: M
     return str(path)
 
 
+def size_on_device(
+    workload: Workload, spec: ArraySpec, x: torch.Tensor, y: torch.Tensor, device: torch.device
+) -> fusion.sizing.SizingResult:
+    """The fusion engine's dry runs for this array's signature on this device (cached per process).
+
+    They measure the largest B that fits and the models·steps/s of each B against an unfused
+    model, which the scheduler turns into its throughput curve for the device type.
+    """
+    params = spec.members[0].params
+    batch = workload.batch_size_for(params)
+    return fusion.sizing.size_array(
+        lambda: workload.build_model(params),
+        x[:batch],
+        y[:batch],
+        device=device,
+        loss_fn=workload.loss,
+        optimizer=workload.optimizer,
+        candidates=(1, 2, 4, 8, 16),
+        signature=spec.signature,
+    )
+
+
 def train_array(spec: ArraySpec, device: torch.device, reporter: Reporter | None = None) -> ArrayOutcome:
     """Train ``spec``'s members as one fused model for ``spec.epochs`` epochs.
 
@@ -78,6 +101,8 @@ def train_array(spec: ArraySpec, device: torch.device, reporter: Reporter | None
         train, val = workload.datasets()
         x, y = (t.to(device) for t in train.tensors)
         x_val, y_val = (t.to(device) for t in val.tensors)
+        outcome.sizing = size_on_device(workload, spec, x, y, device).to_json()
+        outcome.members = len(members)
         batch_size = workload.batch_size_for(members[0].params)
         generator = torch.Generator().manual_seed(spec.seed)
         num_members = len(members)
