@@ -1,4 +1,4 @@
-"""The ``fusetune`` command: ``serve``, ``submit``, ``status`` and ``demo``."""
+"""The ``fusetune`` command: ``serve``, ``submit``, ``status``, ``demo`` and ``simulate``."""
 
 from __future__ import annotations
 
@@ -163,6 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=cmd_demo)
 
+    sub.add_parser(
+        "simulate",
+        help="replay a cluster trace under every scheduling policy (python -m scheduler.sim)",
+        add_help=False,
+    )
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:
+        from scheduler import sim
+
+        return sim.main(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 
