@@ -10,13 +10,14 @@ Typical use::
     state_dict_of_member_2 = fused.member_state_dict(2)
 """
 
-from . import lr_scheduler, optim, sizing
+from . import amp, lr_scheduler, optim, sizing
 from ._errors import FusionError
 from ._functional import broadcast, clip_grad_norm_, per_member_loss
 from ._model import FusedModel, fuse, fuse_from_state_dicts
 
 __all__ = [
     "FusedModel",
+    "amp",
     "FusionError",
     "broadcast",
     "clip_grad_norm_",
