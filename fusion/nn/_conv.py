@@ -102,6 +102,9 @@ class Conv(_ConvBase):
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0 if isinstance(self.padding, str) else (0,) * self.dims
         conv = _CONV_FN[self.dims]
+        if b == 1:
+            bias1 = None if self.bias is None else self.bias[0]
+            return conv(x, self.weight[0], bias1, self.stride, padding, self.dilation, self.groups)
         if not self._use_grouped(x):
             biases = [None] * b if self.bias is None else self.bias.unbind(0)
             return torch.cat([

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._base import FusedLayer, check_same_config, stack_param
@@ -35,6 +36,9 @@ class Linear(FusedLayer):
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.num_members == 1:
+            # A single member is an ordinary layer: no batched matmul overhead.
+            return F.linear(input, self.weight[0], None if self.bias is None else self.bias[0])
         x = self._to_front(input)
         self._check_batch(x)
         lead = x.shape[:-1]

@@ -94,7 +94,9 @@ class BatchNorm(FusedLayer):
             running_mean = self.running_mean.view(-1)
             running_var = self.running_var.view(-1)
         uniform = factors is None or all(f == factors[0] for f in factors)
-        use_loop = self.impl == "loop" or (self.impl == "auto" and input[0].numel() >= self.LOOP_MIN_SAMPLE)
+        use_loop = b == 1 or self.impl == "loop" or (
+            self.impl == "auto" and input[0].numel() >= self.LOOP_MIN_SAMPLE
+        )
         if use_loop and (not update or uniform):
             return self._forward_loop(input, use_batch_stats, 0.0 if factors is None else factors[0])
         if not update or uniform:
@@ -120,6 +122,13 @@ class BatchNorm(FusedLayer):
         """One F.batch_norm per member on its rows; running stats updated in place via row views."""
         b = self.num_members
         track = self.running_mean is not None and (not self.training or self.track_running_stats)
+        if b == 1:
+            # One member: the ordinary kernel on the input itself, no cat.
+            return F.batch_norm(
+                input, self.running_mean[0] if track else None, self.running_var[0] if track else None,
+                None if self.weight is None else self.weight[0], None if self.bias is None else self.bias[0],
+                use_batch_stats, factor, self.eps,
+            )
         means = self.running_mean.unbind(0) if track else [None] * b
         varis = self.running_var.unbind(0) if track else [None] * b
         weights = self.weight.unbind(0) if self.weight is not None else [None] * b
@@ -152,6 +161,11 @@ class LayerNorm(FusedLayer):
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.num_members == 1:
+            return F.layer_norm(
+                input, self.normalized_shape, None if self.weight is None else self.weight[0],
+                None if self.bias is None else self.bias[0], self.eps,
+            )
         x = self._to_front(input)
         self._check_batch(x)
         b = self.num_members

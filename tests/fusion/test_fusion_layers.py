@@ -344,3 +344,12 @@ def test_encoder_nested_tensor_inference_per_member():
             ref = m(x[b], pad[b])
             torch.testing.assert_close(out[b], ref, rtol=1e-10, atol=1e-12)
     assert (out[0, :, -1] == 0).all() and (out[1] != 0).all()
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_MODELS))
+def test_single_member_fast_paths(name):
+    """B = 1 runs each twin as the ordinary layer (no batching overhead); still exact."""
+    factory, in_shape = LAYER_MODELS[name]
+    run_equivalence(factory, cls_batch(in_shape),
+                    lambda i, m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                    lambda f: fusion.optim.SGD(f.parameters(), lr=0.1, momentum=0.9), b=1)
