@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from ._activation import PReLU
 from ._attention import MultiheadAttention, pin_composable_paths
 from ._base import FusedLayer
 from ._conv import Conv, ConvTranspose
 from ._dropout import Dropout
 from ._embedding import Embedding
 from ._linear import Bilinear, Linear
-from ._norm import BatchNorm, GroupNorm, LayerNorm
+from ._norm import BatchNorm, GroupNorm, InstanceNorm, LayerNorm
 from ._rnn import GRU, LSTM
 
 #: torch layer type -> fused twin type. Looked up by exact type so that a user
@@ -34,12 +35,16 @@ TWINS: dict[type[nn.Module], type[FusedLayer]] = {
     nn.BatchNorm3d: BatchNorm,
     nn.LayerNorm: LayerNorm,
     nn.GroupNorm: GroupNorm,
+    nn.InstanceNorm1d: InstanceNorm,
+    nn.InstanceNorm2d: InstanceNorm,
+    nn.InstanceNorm3d: InstanceNorm,
     nn.Embedding: Embedding,
     nn.Dropout: Dropout,
     nn.Dropout1d: Dropout,
     nn.Dropout2d: Dropout,
     nn.Dropout3d: Dropout,
     nn.MultiheadAttention: MultiheadAttention,
+    nn.PReLU: PReLU,
     nn.LSTM: LSTM,
     nn.GRU: GRU,
 }
@@ -56,8 +61,10 @@ __all__ = [
     "GRU",
     "LSTM",
     "MultiheadAttention",
+    "PReLU",
     "pin_composable_paths",
     "GroupNorm",
+    "InstanceNorm",
     "LayerNorm",
     "Linear",
 ]

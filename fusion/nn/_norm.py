@@ -210,3 +210,44 @@ class GroupNorm(FusedLayer):
         if self.bias is not None:
             yv = yv + self.bias.reshape(b, 1, self.num_channels, *spatial)
         return yv.reshape(input.shape)
+
+
+class InstanceNorm(FusedLayer):
+    """B ``nn.InstanceNorm1d/2d/3d`` layers with affine parameters.
+
+    The normalisation is per sample and so runs once for all members; the
+    affine part is per member. Running statistics (``track_running_stats``)
+    average over a member's batch and are not supported: such a layer raises
+    :class:`FusionError` when fused.
+    """
+
+    def __init__(self, num_members: int, norm: nn.modules.instancenorm._InstanceNorm) -> None:
+        super().__init__(num_members)
+        self.num_features = norm.num_features
+        self.eps = norm.eps
+        self.affine = norm.affine
+
+    @classmethod
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> InstanceNorm:
+        check_same_config(members, path)
+        first = members[0]
+        assert isinstance(first, nn.modules.instancenorm._InstanceNorm)
+        if first.track_running_stats:
+            raise FusionError(
+                f"submodule '{path}' ({type(first).__name__}): track_running_stats=True is not supported"
+            )
+        layer = cls(len(members), first)
+        layer.weight = stack_param([m.weight for m in members])
+        layer.bias = stack_param([m.bias for m in members])
+        return layer
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_batch(input)
+        y = F.instance_norm(input, None, None, None, None, True, 0.0, self.eps)
+        if self.weight is None:
+            return y
+        b, c = self.num_members, self.num_features
+        spatial = (1,) * (input.dim() - 2)
+        yv = y.reshape(b, -1, c, *input.shape[2:])
+        yv = yv * self.weight.reshape(b, 1, c, *spatial) + self.bias.reshape(b, 1, c, *spatial)
+        return yv.reshape(input.shape)

@@ -24,8 +24,11 @@ def test_unsupported_layer_names_path_and_type():
     models = [nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), Scaled())) for _ in range(2)]
     with pytest.raises(fusion.FusionError, match=r"'1\.1' \(Scaled\)"):
         fusion.fuse(models)
-    models = [nn.Sequential(nn.Linear(4, 4), nn.PReLU()) for _ in range(2)]
-    with pytest.raises(fusion.FusionError, match=r"'1' \(PReLU\)"):
+    models = [nn.Sequential(nn.Linear(4, 4), nn.RNN(4, 4)) for _ in range(2)]
+    with pytest.raises(fusion.FusionError, match=r"'1' \(RNN\)"):
+        fusion.fuse(models)
+    models = [nn.Sequential(nn.Conv1d(4, 4, 1), nn.InstanceNorm1d(4, track_running_stats=True)) for _ in range(2)]
+    with pytest.raises(fusion.FusionError, match=r"'1' \(InstanceNorm1d\): track_running_stats"):
         fusion.fuse(models)
 
 

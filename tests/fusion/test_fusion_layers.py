@@ -63,6 +63,12 @@ LAYER_MODELS = {
         nn.Linear(8, 8), nn.CELU(), nn.Sigmoid(), nn.Linear(8, 8), nn.Softsign(), nn.Tanhshrink(),
         nn.Identity(), nn.ReLU6(), nn.Hardsigmoid(), nn.LogSigmoid(), nn.Softmin(dim=1),
         nn.Linear(8, 5), nn.LogSoftmax(dim=1)), (6,)),
+    "instancenorm": (lambda: nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.InstanceNorm2d(3, affine=True), nn.ReLU(), nn.Conv2d(3, 3, 1),
+        nn.InstanceNorm2d(3), nn.Flatten(), nn.Linear(3 * 16, 5)), (2, 6, 6)),
+    "prelu": (lambda: nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.PReLU(3, init=0.1), nn.Flatten(), nn.Linear(3 * 16, 8), nn.PReLU(),
+        nn.Linear(8, 5)), (2, 6, 6)),
 }
 
 
