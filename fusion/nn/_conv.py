@@ -31,8 +31,6 @@ def _from_channels(y: torch.Tensor, b: int) -> torch.Tensor:
 class _ConvBase(FusedLayer):
     """Shared code of fused convolutions: stacked ``[B, ...]`` weight and bias."""
 
-    transposed = False
-
     def __init__(self, num_members: int, conv: nn.modules.conv._ConvNd) -> None:
         super().__init__(num_members)
         self.in_channels = conv.in_channels
@@ -119,8 +117,6 @@ class Conv(_ConvBase):
 
 class ConvTranspose(_ConvBase):
     """B ``nn.ConvTransposeNd`` layers as one grouped transposed convolution."""
-
-    transposed = True
 
     def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if output_size is not None:

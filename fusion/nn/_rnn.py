@@ -23,7 +23,6 @@ class _RNNBase(FusedLayer):
     large (or on accelerators).
     """
 
-    gates: int = 4
     impl: str = "native"
 
     def __init__(self, num_members: int, rnn: nn.RNNBase) -> None:
@@ -162,8 +161,6 @@ class _RNNBase(FusedLayer):
 class LSTM(_RNNBase):
     """B ``nn.LSTM`` layers (gate order i, f, g, o as in torch)."""
 
-    gates = 4
-
     def _cell(self, gx, h, c, w_hh, b_hh):
         wt = w_hh.transpose(1, 2)
         gates = gx + (torch.bmm(h, wt) if b_hh is None else torch.baddbmm(b_hh.unsqueeze(1), h, wt))
@@ -179,8 +176,6 @@ class LSTM(_RNNBase):
 
 class GRU(_RNNBase):
     """B ``nn.GRU`` layers (gate order r, z, n as in torch)."""
-
-    gates = 3
 
     def _cell(self, gx, h, c, w_hh, b_hh):
         wt = w_hh.transpose(1, 2)

@@ -54,8 +54,6 @@ class FusedOptimizer(Optimizer):
 
     member_hparams: ClassVar[tuple[str, ...]] = ("lr",)
     pair_hparams: ClassVar[tuple[str, ...]] = ()
-    #: State entries holding one value per member element (sliced on removal).
-    #: Everything in a param's state has the member axis first.
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         params = list(params)
