@@ -11,7 +11,7 @@ Typical use::
 """
 
 from . import amp, lr_scheduler, optim, sizing
-from ._errors import FusionError
+from ._errors import FusionError, FusionWarning
 from ._functional import broadcast, clip_grad_norm_, per_member_loss
 from ._model import FusedModel, fuse, fuse_from_state_dicts
 
@@ -19,6 +19,7 @@ __all__ = [
     "FusedModel",
     "amp",
     "FusionError",
+    "FusionWarning",
     "broadcast",
     "clip_grad_norm_",
     "fuse",

@@ -9,3 +9,7 @@ class FusionError(ValueError):
     Subclasses :class:`ValueError` so that callers validating user supplied
     configurations can catch both with one ``except`` clause.
     """
+
+
+class FusionWarning(UserWarning):
+    """Something the engine handles correctly but without the speed of fusion."""

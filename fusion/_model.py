@@ -13,6 +13,7 @@ feature-last layer's input and of each output holds the batch.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -21,9 +22,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._errors import FusionError
+from ._errors import FusionError, FusionWarning
 from .nn import TWINS, FusedLayer, pin_composable_paths
 from .nn._base import check_same_config
+from .nn._fallback import PerMemberFallback, make_fallback, member_tensors
 
 
 def _module_label(path: str, module: nn.Module) -> str:
@@ -67,22 +69,21 @@ def _check_members(models: Sequence[nn.Module], reference: nn.Module | None = No
             owner[id(p)] = full
 
 
-def _build_fused_tree(models: Sequence[nn.Module]) -> nn.Module:
-    """Copy member 0 and replace each parametrised submodule by its fused twin."""
+def _build_fused_tree(models: Sequence[nn.Module], fallback: bool = False) -> nn.Module:
+    """Copy member 0 and replace each parametrised submodule by its fused twin.
+
+    A module that owns parameters or buffers but has no twin is refused, or
+    with ``fallback`` runs once per member (see :mod:`fusion.nn._fallback`).
+    """
     root = copy.deepcopy(models[0])
-    memo: dict[int, FusedLayer] = {}
+    memo: dict[int, nn.Module] = {}
+
+    def own_state(mod: nn.Module) -> list[str]:
+        own = [n for n, _ in mod.named_parameters(recurse=False)]
+        return own + [n for n, t in mod.named_buffers(recurse=False) if t is not None]
 
     def check_plain(path: str, members: list[nn.Module]) -> None:
         mod = members[0]
-        own = [n for n, _ in mod.named_parameters(recurse=False)]
-        own += [n for n, t in mod.named_buffers(recurse=False) if t is not None]
-        if own:
-            raise FusionError(
-                f"{_module_label(path, mod)} cannot be fused: fusion has no fused twin for "
-                f"{type(mod).__module__}.{type(mod).__name__} and it owns parameters/buffers "
-                f"{own}. Supported parametrised layers: "
-                + ", ".join(sorted({t.__name__ for t in TWINS}))
-            )
         for b, m in enumerate(members[1:], start=1):
             if type(m) is not type(mod):
                 raise FusionError(
@@ -90,22 +91,48 @@ def _build_fused_tree(models: Sequence[nn.Module]) -> nn.Module:
                 )
         check_same_config(members, path)
 
+    def unsupported(path: str, mod: nn.Module) -> FusionError:
+        return FusionError(
+            f"{_module_label(path, mod)} cannot be fused: fusion has no fused twin for "
+            f"{type(mod).__module__}.{type(mod).__name__} and it owns parameters/buffers "
+            f"{own_state(mod)}. Supported parametrised layers: "
+            + ", ".join(sorted({t.__name__ for t in TWINS}))
+            + ". fusion.fuse(models, fallback=True) runs such modules once per member instead"
+        )
+
+    def per_member(path: str, members: list[nn.Module]) -> nn.Module:
+        check_plain(path, members)
+        warnings.warn(
+            f"{_module_label(path, members[0])} has no fused twin; it runs once per member "
+            "(exact, but without the speed-up of fusion)",
+            FusionWarning,
+            stacklevel=4,
+        )
+        return make_fallback(members, path)
+
     def visit(path: str, module: nn.Module) -> None:
         for name, child in list(module._modules.items()):
             if child is None:
                 continue
             cpath = f"{path}.{name}" if path else name
             members = [m.get_submodule(cpath) for m in models]
+            key = id(members[0])
+            if key in memo:
+                module._modules[name] = memo[key]
+                continue
             twin_type = TWINS.get(type(child))
             if twin_type is not None:
-                key = id(members[0])
-                if key not in memo:
-                    memo[key] = twin_type.from_members(members, cpath)
-                module._modules[name] = memo[key]
+                memo[key] = twin_type.from_members(members, cpath)
+            elif own_state(child):
+                if not fallback:
+                    raise unsupported(cpath, child)
+                memo[key] = per_member(cpath, members)
             else:
                 check_plain(cpath, members)
                 visit(cpath, child)
                 pin_composable_paths(child)
+                continue
+            module._modules[name] = memo[key]
 
     if type(root) in TWINS:
         # A bare layer: wrap it so the swap has a parent to live in.
@@ -113,6 +140,10 @@ def _build_fused_tree(models: Sequence[nn.Module]) -> nn.Module:
             f"fuse a model that contains the layer, not a bare {type(root).__name__}; "
             "wrap it in nn.Sequential"
         )
+    if own_state(root):
+        if not fallback:
+            raise unsupported("", root)
+        return per_member("", list(models))
     check_plain("", list(models))
     visit("", root)
     pin_composable_paths(root)
@@ -143,11 +174,12 @@ class FusedModel(nn.Module):
     the original model's and :meth:`member_state_dict` is a plain slice.
     """
 
-    def __init__(self, models: Sequence[nn.Module]) -> None:
+    def __init__(self, models: Sequence[nn.Module], fallback: bool = False) -> None:
         super().__init__()
         models = list(models)
         _check_members(models)
-        self.module = _build_fused_tree(models)
+        self._fallback = fallback
+        self.module = _build_fused_tree(models, fallback)
         # An unfused copy of member 0, kept out of the module tree: the dry run
         # uses it to find batch axes, and export loads member weights into it.
         template = copy.deepcopy(models[0])
@@ -256,6 +288,20 @@ class FusedModel(nn.Module):
                     records[path][run[0]].append(inputs[0].shape)
 
             handles.append(sub.register_forward_pre_hook(hook))
+        # Fallback modules split every input and merge every output: record all axes.
+        full: dict[str, list[list[tuple[list[Any], list[Any]]]]] = {
+            p: [[], []] for p, m in twins.items() if isinstance(m, PerMemberFallback)
+        }
+        for path in full:
+
+            def full_hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                          path: str = path) -> None:
+                shapes_in = [t.shape if isinstance(t, torch.Tensor) else None
+                             for t in _tensor_leaves((args, kwargs))[0]]
+                shapes_out = [t.shape if isinstance(t, torch.Tensor) else None for t in _tensor_leaves(output)[0]]
+                full[path][run[0]].append((shapes_in, shapes_out))
+
+            handles.append(template.get_submodule(path).register_forward_hook(full_hook, with_kwargs=True))
         outs = []
         try:
             devices = [ref.device] if ref is not None and ref.device.type == "cuda" else []
@@ -290,6 +336,16 @@ class FusedModel(nn.Module):
                     f"(input shapes {list(first)} at batch 2, {list(second)} at batch 3)"
                 )
             twin.batch_dim = axes.pop()
+        for path, (calls1, calls2) in full.items():
+            if not calls1:
+                continue
+            (in1, out1), (in2, out2) = calls1[0], calls2[0]
+            fb = twins[path]
+            assert isinstance(fb, PerMemberFallback)
+            fb.arg_axes = [None if a is None or b is None else _batch_axis(a, b) for a, b in zip(in1, in2)]
+            fb.out_axes = [None if a is None or b is None else _batch_axis(a, b) for a, b in zip(out1, out2)]
+            if all(a is None for a in fb.arg_axes):
+                raise FusionError(f"{_module_label(path, fb)}: no input has a batch axis to split per member")
         out_axes: list[int | None] = []
         for i, (o1, o2) in enumerate(zip(outs[0], outs[1])):
             if not isinstance(o1, torch.Tensor):
@@ -337,18 +393,20 @@ class FusedModel(nn.Module):
         keep = [i for i in range(self._num_members) if i not in drop]
         if not keep:
             raise FusionError("cannot remove every member of a fused model")
+        index = torch.tensor(keep, dtype=torch.long)
         for _, twin in self.fused_layers():
-            index = torch.tensor(keep, dtype=torch.long)
-            for name, p in twin._parameters.items():
-                if p is None:
-                    continue
-                i = index.to(p.device)
-                p.data = p.data.index_select(0, i)
-                if p.grad is not None:
-                    p.grad = p.grad.index_select(0, i)
-            for name, buf in twin._buffers.items():
-                if buf is not None:
-                    twin._buffers[name] = buf.index_select(0, index.to(buf.device))
+            for owner, name, is_param in member_tensors(twin):
+                if is_param:
+                    p = owner._parameters[name]
+                    assert p is not None
+                    i = index.to(p.device)
+                    p.data = p.data.index_select(0, i)
+                    if p.grad is not None:
+                        p.grad = p.grad.index_select(0, i)
+                else:
+                    buf = owner._buffers[name]
+                    assert buf is not None
+                    owner._buffers[name] = buf.index_select(0, index.to(buf.device))
             twin.select_members(keep)
         self._num_members = len(keep)
 
@@ -356,41 +414,44 @@ class FusedModel(nn.Module):
         """Append new members (fresh models of the same class and shapes)."""
         models = list(models)
         _check_members(models, reference=self._template)  # type: ignore[arg-type]
-        new_tree = _build_fused_tree(models)
+        new_tree = _build_fused_tree(models, self._fallback)
         mine = dict(self.fused_layers())
         for path, twin in new_tree.named_modules():
             if not isinstance(twin, FusedLayer):
                 continue
             target = mine[path]
-            for name, p in target._parameters.items():
-                if p is None:
-                    continue
-                extra = twin._parameters[name]
-                assert extra is not None
-                p.data = torch.cat([p.data, extra.data.to(p.data)])
-                if p.grad is not None:
-                    p.grad = torch.cat([p.grad, torch.zeros_like(extra.data).to(p.grad)])
-            for name, buf in target._buffers.items():
-                if buf is not None:
-                    extra_buf = twin._buffers[name]
-                    assert extra_buf is not None
-                    target._buffers[name] = torch.cat([buf, extra_buf.to(buf)])
+            for (owner, name, is_param), (new_owner, _, _) in zip(member_tensors(target), member_tensors(twin)):
+                if is_param:
+                    p = owner._parameters[name]
+                    extra = new_owner._parameters[name]
+                    assert p is not None and extra is not None
+                    p.data = torch.cat([p.data, extra.data.to(p.data)])
+                    if p.grad is not None:
+                        p.grad = torch.cat([p.grad, torch.zeros_like(extra.data).to(p.grad)])
+                else:
+                    buf = owner._buffers[name]
+                    extra_buf = new_owner._buffers[name]
+                    assert buf is not None and extra_buf is not None
+                    owner._buffers[name] = torch.cat([buf, extra_buf.to(buf)])
             target.append_members(twin)
         self._num_members += len(models)
 
 
-def fuse(models: Sequence[nn.Module]) -> FusedModel:
+def fuse(models: Sequence[nn.Module], *, fallback: bool = False) -> FusedModel:
     """Fuse ``models`` (same class, identical shapes) into one :class:`FusedModel`.
 
     Parameters and buffers are copied; the originals are not modified. Raises
     :class:`fusion.FusionError` naming the submodule path and type of a layer
     that cannot be fused, or the parameter whose shape differs between members.
+    With ``fallback=True`` such a layer instead runs once per member (exact,
+    not faster) and a :class:`fusion.FusionWarning` names it.
     """
-    return FusedModel(models)
+    return FusedModel(models, fallback=fallback)
 
 
 def fuse_from_state_dicts(
-    model: nn.Module | Callable[[], nn.Module], state_dicts: Sequence[dict[str, torch.Tensor]]
+    model: nn.Module | Callable[[], nn.Module], state_dicts: Sequence[dict[str, torch.Tensor]],
+    *, fallback: bool = False,
 ) -> FusedModel:
     """Build a fused model from saved member state dicts, for resuming.
 
@@ -404,4 +465,4 @@ def fuse_from_state_dicts(
         m = model() if not isinstance(model, nn.Module) else copy.deepcopy(model)
         m.load_state_dict(sd, strict=True)
         members.append(m)
-    return FusedModel(members)
+    return FusedModel(members, fallback=fallback)

@@ -121,6 +121,7 @@ def run_equivalence(
     opt_state_skip: Sequence[str] = (),
     clip: Sequence[float] | None = None,
     zero_grad_params: Sequence[str] = (),
+    fallback: bool = False,
 ) -> fusion.FusedModel:
     """Train B separate copies and the fused array side by side and compare.
 
@@ -132,7 +133,7 @@ def run_equivalence(
     """
     members = make_members(factory, b, dtype)
     refs = [copy.deepcopy(m) for m in members]
-    fused = fusion.fuse(members)
+    fused = fusion.fuse(members, fallback=fallback)
     # fuse copies; the originals must be untouched.
     for m, r in zip(members, refs):
         for (k, v), (_, w) in zip(m.state_dict().items(), r.state_dict().items()):
