@@ -184,12 +184,14 @@ def test_dropout_per_member_p():
     assert torch.equal(drop(x.reshape(-1, 16)), x.reshape(-1, 16))
 
 
-def test_dropout2d_per_member_p_masks_whole_channels():
+@pytest.mark.parametrize("kind", [nn.Dropout1d, nn.Dropout2d, nn.Dropout3d])
+def test_feature_dropout_per_member_p_masks_whole_channels(kind):
     torch.manual_seed(0)
-    members = [nn.Sequential(nn.Conv2d(1, 4, 1), nn.Dropout2d(p)) for p in (0.25, 0.75)]
+    spatial = {nn.Dropout1d: (9,), nn.Dropout2d: (3, 3), nn.Dropout3d: (1, 3, 3)}[kind]
+    members = [nn.Sequential(nn.Identity(), kind(p)) for p in (0.25, 0.75)]
     fused = fusion.fuse(members)
     drop = fused.module[1]
-    x = torch.ones(2 * 500, 4, 3, 3)
+    x = torch.ones(2 * 500, 4, *spatial)
     y = drop(x).reshape(2, 500, 4, 9)
     assert torch.all((y == 0).all(-1) | (y != 0).all(-1))
     rates = (y[..., 0] == 0).float().mean(dim=(1, 2))

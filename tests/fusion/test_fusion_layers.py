@@ -63,6 +63,10 @@ LAYER_MODELS = {
         nn.Linear(8, 8), nn.CELU(), nn.Sigmoid(), nn.Linear(8, 8), nn.Softsign(), nn.Tanhshrink(),
         nn.Identity(), nn.ReLU6(), nn.Hardsigmoid(), nn.LogSigmoid(), nn.Softmin(dim=1),
         nn.Linear(8, 5), nn.LogSoftmax(dim=1)), (6,)),
+    "activations_2d": (lambda: nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.GLU(dim=1), nn.Softmax2d(), nn.AvgPool2d(2), nn.Conv2d(2, 4, 1),
+        nn.Threshold(0.1, -1.0), nn.Hardshrink(0.2), nn.Softshrink(0.1), nn.LPPool2d(2, 2), nn.Flatten(),
+        nn.Linear(4, 5), nn.Softmax(dim=-1)), (2, 6, 6)),
     "instancenorm": (lambda: nn.Sequential(
         nn.Conv2d(2, 3, 3), nn.InstanceNorm2d(3, affine=True), nn.ReLU(), nn.Conv2d(3, 3, 1),
         nn.InstanceNorm2d(3), nn.Flatten(), nn.Linear(3 * 16, 5)), (2, 6, 6)),
