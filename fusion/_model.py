@@ -371,7 +371,7 @@ class FusedModel(nn.Module):
 
     def member(self, b: int) -> nn.Module:
         """Member ``b`` as a new, ordinary instance of the original model class."""
-        model = copy.deepcopy(self._template)
+        model: nn.Module = copy.deepcopy(self.__dict__["_template"])
         model.load_state_dict(self.member_state_dict(b), strict=True)
         model.train(self.training)
         return model
@@ -399,10 +399,10 @@ class FusedModel(nn.Module):
                 if is_param:
                     p = owner._parameters[name]
                     assert p is not None
-                    i = index.to(p.device)
-                    p.data = p.data.index_select(0, i)
+                    rows = index.to(p.device)
+                    p.data = p.data.index_select(0, rows)
                     if p.grad is not None:
-                        p.grad = p.grad.index_select(0, i)
+                        p.grad = p.grad.index_select(0, rows)
                 else:
                     buf = owner._buffers[name]
                     assert buf is not None

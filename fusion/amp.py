@@ -77,6 +77,7 @@ class GradScaler:
             found = found.to(dev)
             for p in params:
                 g = p.grad
+                assert g is not None  # _params keeps parameters with gradients only
                 g.mul_(inv.view(-1, *([1] * (g.dim() - 1))).to(g.dtype))
                 found |= ~torch.isfinite(g.reshape(self.num_members, -1)).all(dim=1)
         self._found_inf[key] = found.cpu()

@@ -8,11 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._base import FusedLayer, check_same_config, stack_param
+from ._base import FusedLayer, check_same_config, stack_weight
 
 
 class PReLU(FusedLayer):
     """B ``nn.PReLU`` layers; slopes ``[B, num_parameters]`` on channel axis 1."""
+
+    weight: nn.Parameter
 
     needs_batch_probe = True
 
@@ -26,7 +28,7 @@ class PReLU(FusedLayer):
         first = members[0]
         assert isinstance(first, nn.PReLU)
         layer = cls(len(members), first.num_parameters)
-        layer.weight = stack_param([m.weight for m in members])
+        layer.weight = stack_weight([m.weight for m in members])
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,15 @@ class MultiheadAttention(FusedLayer):
     per sample, so it never mixes members.
     """
 
+    in_proj_weight: nn.Parameter | None
+    q_proj_weight: nn.Parameter | None
+    k_proj_weight: nn.Parameter | None
+    v_proj_weight: nn.Parameter | None
+    in_proj_bias: nn.Parameter | None
+    bias_k: nn.Parameter | None
+    bias_v: nn.Parameter | None
+    out_proj: Linear
+
     def __init__(self, num_members: int, mha: nn.MultiheadAttention) -> None:
         super().__init__(num_members)
         self.embed_dim = mha.embed_dim

@@ -47,15 +47,23 @@ def check_same_config(
                 )
 
 
-def stack_param(tensors: Sequence[torch.Tensor | None], requires_grad: bool = True) -> nn.Parameter | None:
-    """Stack one parameter of every member into a ``[B, ...]`` parameter."""
+def stack_param(tensors: Sequence[Any], requires_grad: bool = True) -> nn.Parameter | None:
+    """Stack one optional parameter of every member into a ``[B, ...]`` parameter."""
     if tensors[0] is None:
         return None
     stacked = torch.stack([t.detach() for t in tensors]).clone()
     return nn.Parameter(stacked, requires_grad=requires_grad and tensors[0].requires_grad)
 
 
-def stack_buffer(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+def stack_weight(tensors: Sequence[Any]) -> nn.Parameter:
+    """:func:`stack_param` for a parameter every member has."""
+    stacked = stack_param(tensors)
+    if stacked is None:
+        raise FusionError("expected a parameter in every member")
+    return stacked
+
+
+def stack_buffer(tensors: Sequence[Any]) -> torch.Tensor | None:
     """Stack one buffer of every member into a ``[B, ...]`` tensor."""
     if tensors[0] is None:
         return None

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import FusionError
-from ._base import FusedLayer, check_same_config, stack_param
+from ._base import FusedLayer, check_same_config, stack_param, stack_weight
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T_FN = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -31,6 +31,9 @@ def _from_channels(y: torch.Tensor, b: int) -> torch.Tensor:
 class _ConvBase(FusedLayer):
     """Shared code of fused convolutions: stacked ``[B, ...]`` weight and bias."""
 
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
     def __init__(self, num_members: int, conv: nn.modules.conv._ConvNd) -> None:
         super().__init__(num_members)
         self.in_channels = conv.in_channels
@@ -51,7 +54,7 @@ class _ConvBase(FusedLayer):
         first = members[0]
         assert isinstance(first, nn.modules.conv._ConvNd)
         layer = cls(len(members), first)
-        layer.weight = stack_param([m.weight for m in members])
+        layer.weight = stack_weight([m.weight for m in members])
         layer.bias = stack_param([m.bias for m in members])
         return layer
 

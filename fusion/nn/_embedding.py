@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import FusionError
-from ._base import FusedLayer, check_same_config, stack_param
+from ._base import FusedLayer, check_same_config, stack_weight
 
 
 class Embedding(FusedLayer):
@@ -19,6 +19,8 @@ class Embedding(FusedLayer):
     padding positions, values unchanged) and ``max_norm`` renormalises only the
     rows each member looks up, both exactly as torch does per table.
     """
+
+    weight: nn.Parameter
 
     needs_batch_probe = True
 
@@ -42,7 +44,7 @@ class Embedding(FusedLayer):
                 f"submodule '{path}' (Embedding): sparse=True is not supported by fusion"
             )
         layer = cls(len(members), first)
-        layer.weight = stack_param([m.weight for m in members])
+        layer.weight = stack_weight([m.weight for m in members])
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._base import FusedLayer, check_same_config, stack_param
+from ._base import FusedLayer, check_same_config, stack_param, stack_weight
 
 
 class Linear(FusedLayer):
@@ -17,6 +17,9 @@ class Linear(FusedLayer):
     ``weight`` is ``[B, out, in]`` (each member's torch layout stacked) and is
     used transposed as a view, so no weight copy is made per step.
     """
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
 
     needs_batch_probe = True
 
@@ -31,7 +34,7 @@ class Linear(FusedLayer):
         first = members[0]
         assert isinstance(first, nn.Linear)
         layer = cls(len(members), first.in_features, first.out_features)
-        layer.weight = stack_param([m.weight for m in members])
+        layer.weight = stack_weight([m.weight for m in members])
         layer.bias = stack_param([m.bias for m in members])
         return layer
 
@@ -62,6 +65,9 @@ class Linear(FusedLayer):
 class Bilinear(FusedLayer):
     """B ``nn.Bilinear`` layers computed by one einsum."""
 
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
     needs_batch_probe = True
 
     def __init__(self, num_members: int, in1: int, in2: int, out: int) -> None:
@@ -76,7 +82,7 @@ class Bilinear(FusedLayer):
         first = members[0]
         assert isinstance(first, nn.Bilinear)
         layer = cls(len(members), first.in1_features, first.in2_features, first.out_features)
-        layer.weight = stack_param([m.weight for m in members])
+        layer.weight = stack_weight([m.weight for m in members])
         layer.bias = stack_param([m.bias for m in members])
         return layer
 

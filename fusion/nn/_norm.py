@@ -23,6 +23,12 @@ class BatchNorm(FusedLayer):
     is kept per member too, since members added later have seen fewer batches.
     """
 
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
+    running_mean: torch.Tensor | None
+    running_var: torch.Tensor | None
+    num_batches_tracked: torch.Tensor | None
+
     per_member_attrs = frozenset({"momentum"})
     #: "channels": one F.batch_norm over [N, B*C, ...] (two layout copies);
     #: "loop": one F.batch_norm per member on its contiguous rows (no copies
@@ -142,6 +148,9 @@ class BatchNorm(FusedLayer):
 class LayerNorm(FusedLayer):
     """B ``nn.LayerNorm`` layers: one normalisation, per-member affine."""
 
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
+
     needs_batch_probe = True
 
     def __init__(self, num_members: int, ln: nn.LayerNorm) -> None:
@@ -180,6 +189,9 @@ class LayerNorm(FusedLayer):
 
 class GroupNorm(FusedLayer):
     """B ``nn.GroupNorm`` layers: one per-sample normalisation, per-member affine."""
+
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
 
     def __init__(self, num_members: int, gn: nn.GroupNorm) -> None:
         super().__init__(num_members)
@@ -220,6 +232,9 @@ class InstanceNorm(FusedLayer):
     average over a member's batch and are not supported: such a layer raises
     :class:`FusionError` when fused.
     """
+
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
 
     def __init__(self, num_members: int, norm: nn.modules.instancenorm._InstanceNorm) -> None:
         super().__init__(num_members)

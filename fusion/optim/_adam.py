@@ -94,7 +94,7 @@ class Adam(FusedOptimizer):
         kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
         states = [self.state[p] for p in params]
         p_m = self._member_views(params, persistent=True)
-        g_m = self._member_views([p.grad for p in params])
+        g_m = self._member_views([p.grad for p in params if p.grad is not None])
         a_m = self._member_views([s["exp_avg"] for s in states], persistent=True)
         q_m = self._member_views([s["exp_avg_sq"] for s in states], persistent=True)
         x_m = self._member_views([s["max_exp_avg_sq"] for s in states], persistent=True) if group["amsgrad"] else None
@@ -113,7 +113,9 @@ class Adam(FusedOptimizer):
         beta1 = [b[0] for b in group["betas"]]
         beta2 = [b[1] for b in group["betas"]]
         state = self.state[p]
-        grad = -p.grad if group["maximize"] else p.grad
+        grad = p.grad
+        assert grad is not None  # callers pass parameters with gradients only
+        grad = -grad if group["maximize"] else grad
         steps = state["step"].tolist()
         if any(w != 0 for w in wds):
             if self._decoupled:

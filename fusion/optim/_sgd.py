@@ -85,7 +85,7 @@ class SGD(FusedOptimizer):
             first = [s == 0 for s in states[0]["member_steps"].tolist()]
             bufs = self._member_views([s["momentum_buffer"] for s in states], persistent=True)
         p_m = self._member_views(params, persistent=True)
-        g_m = self._member_views([p.grad for p in params])
+        g_m = self._member_views([p.grad for p in params if p.grad is not None])
         for b in range(self.num_members):
             has_momentum = momenta[b] != 0
             torch._fused_sgd_(
@@ -103,7 +103,9 @@ class SGD(FusedOptimizer):
         momenta = group["momentum"]
         use_momentum = any(m != 0 for m in momenta)
         mixed_momentum = use_momentum and any(m == 0 for m in momenta)
-        grad = -p.grad if group["maximize"] else p.grad
+        grad = p.grad
+        assert grad is not None  # callers pass parameters with gradients only
+        grad = -grad if group["maximize"] else grad
         if any(w != 0 for w in group["weight_decay"]):
             grad = grad + self._hp(group["weight_decay"], p) * p
         if use_momentum:
