@@ -413,7 +413,14 @@ class FusedModel(nn.Module):
     def add_members(self, models: Sequence[nn.Module]) -> None:
         """Append new members (fresh models of the same class and shapes)."""
         models = list(models)
-        _check_members(models, reference=self._template)  # type: ignore[arg-type]
+        template: nn.Module = self.__dict__["_template"]
+        _check_members(models, reference=template)
+        # New members must be configured like the existing ones (strides, eps,
+        # slopes, ...), except for the settings twins hold per member.
+        for path, mod in template.named_modules():
+            twin_type = TWINS.get(type(mod))
+            ignore = twin_type.per_member_attrs if twin_type is not None else frozenset()
+            check_same_config([mod] + [m.get_submodule(path) for m in models], path, ignore=ignore)
         new_tree = _build_fused_tree(models, self._fallback)
         mine = dict(self.fused_layers())
         for path, twin in new_tree.named_modules():

@@ -106,6 +106,14 @@ def test_remove_members_errors():
                                          nn.Dropout(0.0), nn.Flatten(), nn.Linear(4 * 16, 5))])
 
 
+def test_added_members_must_match_configuration():
+    fused = fusion.fuse([nn.Sequential(nn.Linear(3, 3), nn.LeakyReLU(0.1), nn.Dropout(0.1)) for _ in range(2)])
+    with pytest.raises(fusion.FusionError, match=r"'1' \(LeakyReLU\).*negative_slope"):
+        fused.add_members([nn.Sequential(nn.Linear(3, 3), nn.LeakyReLU(0.2), nn.Dropout(0.1))])
+    fused.add_members([nn.Sequential(nn.Linear(3, 3), nn.LeakyReLU(0.1), nn.Dropout(0.5))])  # p is per member
+    assert fused.module[2].p == [0.1, 0.1, 0.5]
+
+
 def test_export_and_resume_from_state_dicts():
     torch.manual_seed(0)
     fused = fusion.fuse([cnn() for _ in range(3)])
