@@ -69,11 +69,14 @@ def _check_members(models: Sequence[nn.Module], reference: nn.Module | None = No
             owner[id(p)] = full
 
 
-def _build_fused_tree(models: Sequence[nn.Module], fallback: bool = False) -> nn.Module:
+def _build_fused_tree(
+    models: Sequence[nn.Module], fallback: bool = False, notes: list[str] | None = None
+) -> nn.Module:
     """Copy member 0 and replace each parametrised submodule by its fused twin.
 
     A module that owns parameters or buffers but has no twin is refused, or
-    with ``fallback`` runs once per member (see :mod:`fusion.nn._fallback`).
+    with ``fallback`` runs once per member (see :mod:`fusion.nn._fallback`);
+    those are listed in ``notes`` for the caller to warn about.
     """
     root = copy.deepcopy(models[0])
     memo: dict[int, nn.Module] = {}
@@ -102,12 +105,8 @@ def _build_fused_tree(models: Sequence[nn.Module], fallback: bool = False) -> nn
 
     def per_member(path: str, members: list[nn.Module]) -> nn.Module:
         check_plain(path, members)
-        warnings.warn(
-            f"{_module_label(path, members[0])} has no fused twin; it runs once per member "
-            "(exact, but without the speed-up of fusion)",
-            FusionWarning,
-            stacklevel=4,
-        )
+        if notes is not None:
+            notes.append(_module_label(path, members[0]))
         return make_fallback(members, path)
 
     def visit(path: str, module: nn.Module) -> None:
@@ -150,6 +149,16 @@ def _build_fused_tree(models: Sequence[nn.Module], fallback: bool = False) -> nn
     return root
 
 
+def _warn_fallbacks(notes: list[str], stacklevel: int) -> None:
+    if notes:
+        warnings.warn(
+            "no fused twin for " + ", ".join(notes) + "; these run once per member "
+            "(exact, but without the speed-up of fusion)",
+            FusionWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
 def _tensor_leaves(tree: Any) -> tuple[list[Any], Any]:
     return pytree.tree_flatten(tree)
 
@@ -179,7 +188,9 @@ class FusedModel(nn.Module):
         models = list(models)
         _check_members(models)
         self._fallback = fallback
-        self.module = _build_fused_tree(models, fallback)
+        notes: list[str] = []
+        self.module = _build_fused_tree(models, fallback, notes)
+        _warn_fallbacks(notes, stacklevel=3)
         # An unfused copy of member 0, kept out of the module tree: the dry run
         # uses it to find batch axes, and export loads member weights into it.
         template = copy.deepcopy(models[0])
@@ -421,7 +432,9 @@ class FusedModel(nn.Module):
             twin_type = TWINS.get(type(mod))
             ignore = twin_type.per_member_attrs if twin_type is not None else frozenset()
             check_same_config([mod] + [m.get_submodule(path) for m in models], path, ignore=ignore)
-        new_tree = _build_fused_tree(models, self._fallback)
+        notes: list[str] = []
+        new_tree = _build_fused_tree(models, self._fallback, notes)
+        _warn_fallbacks(notes, stacklevel=2)
         mine = dict(self.fused_layers())
         for path, twin in new_tree.named_modules():
             if not isinstance(twin, FusedLayer):

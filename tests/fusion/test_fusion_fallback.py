@@ -49,7 +49,7 @@ def batch(b):
 
 
 def test_fallback_equivalence_and_warning():
-    with pytest.warns(fusion.FusionWarning, match=r"'rnn' \(RNN\)"):
+    with pytest.warns(fusion.FusionWarning, match=r"'block' \(ScaledBlock\), submodule 'rnn' \(RNN\)"):
         ref, fused = sgd()
         f = run_equivalence(WithFallbacks, batch, ref, fused, b=B, fallback=True)
     assert type(f.module.block).__name__ == "PerMemberScaledBlock"
