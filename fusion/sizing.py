@@ -67,6 +67,20 @@ class SizingResult:
     #: Whether some fused B beats the unfused model on this device.
     fusion_pays: bool = False
 
+    def marginal_cost(self) -> float:
+        """Fraction of a solo step one extra member adds, fitted to the measurements.
+
+        Model: ``speedup(B) = B / (1 + c (B - 1))`` (the scheduler's
+        ``SpeedupCurve``); least squares over the measured B > 1 of
+        ``B / speedup(B) - 1 = c (B - 1)``. 1.0 (no gain) without measurements.
+        """
+        points = [(b, s) for b, s in self.speedup.items() if b > 1 and s > 0]
+        if not points:
+            return 1.0
+        num = sum((b - 1) * (b / s - 1) for b, s in points)
+        den = sum((b - 1) ** 2 for b, _ in points)
+        return min(1.0, max(0.0, num / den))
+
     def to_json(self) -> dict[str, Any]:
         """JSON-friendly form (dict keys as strings)."""
         out = asdict(self)

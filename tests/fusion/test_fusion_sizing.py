@@ -53,3 +53,11 @@ def test_memory_limit_caps_members():
     assert capped.max_members == 2 and max(capped.throughput) == 2
     with pytest.raises(fusion.FusionError, match="fits"):
         sizing.size_array(small_mlp, x, y, candidates=(1, 2), steps=1, rounds=1, cache=False, memory_limit=10)
+
+
+def test_marginal_cost_fit():
+    # speedup(B) = B / (1 + 0.25 (B - 1)) exactly -> c = 0.25
+    speedup = {b: b / (1 + 0.25 * (b - 1)) for b in (1, 2, 4, 8)}
+    res = sizing.SizingResult("sig", "cpu", 64, 0, 1, 10, speedup=speedup, best_members=8, fusion_pays=True)
+    assert abs(res.marginal_cost() - 0.25) < 1e-12
+    assert sizing.SizingResult("sig", "cpu", 64, 0, 1, 10).marginal_cost() == 1.0
