@@ -58,6 +58,8 @@ def test_memory_limit_caps_members():
 def test_marginal_cost_fit():
     # speedup(B) = B / (1 + 0.25 (B - 1)) exactly -> c = 0.25
     speedup = {b: b / (1 + 0.25 * (b - 1)) for b in (1, 2, 4, 8)}
-    res = sizing.SizingResult("sig", "cpu", 64, 0, 1, 10, speedup=speedup, best_members=8, fusion_pays=True)
+    common = dict(signature="sig", device_type="cpu", batch_size=64, base_bytes=0, member_bytes=1,
+                  memory_limit=10, max_members=8)
+    res = sizing.SizingResult(**common, speedup=speedup, best_members=8, fusion_pays=True)
     assert abs(res.marginal_cost() - 0.25) < 1e-12
-    assert sizing.SizingResult("sig", "cpu", 64, 0, 1, 10).marginal_cost() == 1.0
+    assert sizing.SizingResult(**common).marginal_cost() == 1.0
