@@ -13,7 +13,7 @@ Typical use::
 from . import amp, lr_scheduler, optim, sizing
 from ._errors import FusionError, FusionWarning
 from ._functional import broadcast, clip_grad_norm_, per_member_loss
-from ._model import FusedModel, fuse, fuse_from_state_dicts
+from ._model import FusedModel, fuse, fuse_from_state_dicts, fuse_seeded
 
 __all__ = [
     "FusedModel",
@@ -24,6 +24,7 @@ __all__ = [
     "clip_grad_norm_",
     "fuse",
     "fuse_from_state_dicts",
+    "fuse_seeded",
     "lr_scheduler",
     "optim",
     "per_member_loss",

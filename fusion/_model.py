@@ -486,3 +486,22 @@ def fuse_from_state_dicts(
         m.load_state_dict(sd, strict=True)
         members.append(m)
     return FusedModel(members, fallback=fallback)
+
+
+def fuse_seeded(
+    factory: Callable[[], nn.Module], seeds: Sequence[int], *, fallback: bool = False
+) -> FusedModel:
+    """Fuse ``len(seeds)`` fresh models, member b initialised under ``torch.manual_seed(seeds[b])``.
+
+    Each member's initial weights are exactly those ``factory()`` gives after
+    ``torch.manual_seed(seed)`` in a separate run; the global RNG state is
+    restored afterwards, so seeding members does not perturb the caller's stream.
+    """
+    if not seeds:
+        raise FusionError("fuse_seeded needs at least one seed")
+    models = []
+    with torch.random.fork_rng(devices=[]):
+        for seed in seeds:
+            torch.manual_seed(int(seed))
+            models.append(factory())
+    return FusedModel(models, fallback=fallback)

@@ -137,3 +137,17 @@ def test_export_and_resume_from_state_dicts():
         bad = dict(saved[0])
         bad.pop("1.running_mean")
         fusion.fuse_from_state_dicts(cnn, [bad])
+
+
+def test_fuse_seeded_members_match_seeded_construction():
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    fused = fusion.fuse_seeded(cnn, [7, 8, 7])
+    assert torch.equal(torch.rand(1), before)  # caller's RNG stream untouched
+    for b, seed in enumerate([7, 8, 7]):
+        torch.manual_seed(seed)
+        ref = cnn().state_dict()
+        got = fused.member_state_dict(b)
+        assert all(torch.equal(got[k], v) for k, v in ref.items())
+    assert not torch.equal(fused.member_state_dict(0)["0.weight"], fused.member_state_dict(1)["0.weight"])
