@@ -162,8 +162,9 @@ class FusedOptimizer(Optimizer):
         return [list(views) for views in zip(*per_tensor)]
 
     def _new_step(self, p: torch.Tensor) -> torch.Tensor:
-        # torch keeps float32 step counters on CPU; one per member here.
-        return torch.zeros(self.num_members, dtype=torch.float32)
+        """Per-member step counters: float32 like torch's, on the parameter's device
+        (torch's fused kernels read them there)."""
+        return torch.zeros(self.num_members, dtype=torch.float32, device=p.device)
 
     # ------------------------------------------------------------------ membership
     def remove_members(self, indices: Sequence[int]) -> None:
