@@ -15,7 +15,7 @@ from typing import Any
 
 import optuna
 import torch
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from scheduler import (
@@ -225,12 +225,11 @@ class Coordinator:
 
         The scheduler sees every unfinished trial, every device and the running arrays, and
         returns the placements fair across tenants (by weight) and across device types. A
-        placement on an idle device starts an array; one on a busy device is left for a
-        later round, because a running array keeps its members until it ends.
+        placement on an idle device starts an array; waiting trials the scheduler adds to a
+        running array's placement (slots its ended members freed) are offered to that array
+        and join it at its next epoch boundary. Running members are never preempted.
         """
         idle = {w.name: w for w in self.pool.idle()}
-        if not idle:
-            return
         rows = session.execute(
             select(Trial, Study)
             .join(Study, Trial.study_id == Study.id)
@@ -247,21 +246,45 @@ class Coordinator:
         weights = [SchedulerTenant(name, weight) for name, weight in session.execute(select(Tenant.name, Tenant.weight))]
         devices = [Device(w.name, w.device_type, w.memory_bytes, w.node) for w in self.pool.workers]
         decision = self.scheduler.decide(time.monotonic(), pending, devices, weights, list(self._running.values()))
+        busy = {w.name: w for w in self.pool.workers if not w.idle}
         for placement in decision.placements:
-            worker = idle.get(placement.device_id)
             ids = [i for i in placement.trial_ids if i in waiting]
-            if worker is None or not ids:
+            if not ids:
                 continue
             study = waiting[ids[0]][1]
-            # The scheduler sizes the array; its class's waiting trials are then spread evenly
-            # over the arrays they need (9 trials at B=8: 5 now and 4 next, not 8 and 1).
             cap = min(len(placement.trial_ids), study.max_array_size or self.settings.max_array_size)
-            queue = [PendingTrial(trial_id=i, signature=placement.signature) for i, (t, _) in waiting.items() if _class_of(t) == placement.signature]
-            members = [waiting.pop(i)[0] for i in pack(queue, cap)[0].trial_ids]
-            self._start_array(session, study, worker, members)
-            self._running[worker.name] = Placement(
-                worker.name, placement.signature, study.tenant, tuple(t.id for t in members), placement.lease_expires
-            )
+            worker = idle.get(placement.device_id)
+            if worker is not None:
+                # The scheduler sizes the array; its class's waiting trials are then spread
+                # evenly over the arrays they need (9 trials at B=8: 5 now and 4 next, not 8 and 1).
+                queue = [PendingTrial(trial_id=i, signature=placement.signature) for i, (t, _) in waiting.items() if _class_of(t) == placement.signature]
+                members = [waiting.pop(i)[0] for i in pack(queue, cap)[0].trial_ids]
+                self._start_array(session, study, worker, members)
+                self._running[worker.name] = Placement(
+                    worker.name, placement.signature, study.tenant, tuple(t.id for t in members), placement.lease_expires
+                )
+            elif placement.device_id in busy and self._running[placement.device_id].signature == placement.signature:
+                # Only slots its ended members freed: the array keeps the size it started with.
+                spec = busy[placement.device_id].spec
+                present = [t.id for t, _ in rows if t.array_id == spec.array_id]
+                joining = [waiting.pop(i)[0] for i in ids[: max(0, min(cap, len(spec.members)) - len(present))]]
+                if joining:
+                    self._refill(session, busy[placement.device_id], spec.array_id, joining)
+                    self._running[placement.device_id] = Placement(
+                        placement.device_id, placement.signature, study.tenant,
+                        tuple(present + [t.id for t in joining]), placement.lease_expires,
+                    )
+
+    def _refill(self, session: Session, worker: WorkerHandle, array_id: int, trials: list[Trial]) -> None:
+        """Offer waiting trials to a running array: they join it at its next epoch boundary."""
+        array = session.get(Array, array_id)
+        first = len(array.members)
+        array.members.extend(ArrayMember(slot=first + k, trial_id=t.id) for k, t in enumerate(trials))
+        for t in trials:
+            t.array_id = array_id
+        session.commit()
+        self.pool.offer(worker, [MemberSpec(t.id, t.optuna_trial_id, t.number, dict(t.params)) for t in trials])
+        log.info("array %d: %d trials join at the next epoch boundary", array_id, len(trials))
 
     def _start_array(self, session: Session, study: Study, worker: WorkerHandle, trials: list[Trial]) -> None:
         array = Array(study_id=study.id, signature=trials[0].signature, worker_id=self._worker_ids.get(worker.name))
@@ -300,9 +323,16 @@ class Coordinator:
             else:
                 array.state, array.error = ArrayState.FAIL, f"worker {worker.name} failed: {result}"
             array.completed_at = utcnow()
+            # Trials offered after the array's last epoch boundary never joined: re-queue them.
+            never_joined = session.scalars(
+                select(Trial).where(Trial.array_id == array.id, Trial.state == TrialState.WAITING)
+            ).all()
+            for trial in never_joined:
+                trial.array_id = None
+                session.execute(delete(ArrayMember).where(ArrayMember.array_id == array.id, ArrayMember.trial_id == trial.id))
             # Members the worker could not end itself (it died) fail with the array's error.
             unfinished = session.scalars(
-                select(Trial).where(Trial.array_id == array.id, Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
+                select(Trial).where(Trial.array_id == array.id, Trial.state == TrialState.RUNNING)
             ).all()
             for trial in unfinished:
                 if self.storage.get_trial(trial.optuna_trial_id).state == optuna.trial.TrialState.RUNNING:

@@ -67,7 +67,7 @@ def test_pruned_members_stop_reporting(service: tuple[Client, str, Path]) -> Non
     client, url, _ = service
     study = client.create_study(
         "digits-mlp", n_trials=4, epochs=3, name="prune",
-        search_space=space(lr=D.CategoricalDistribution([1e-5, 0.5])),
+        search_space=space(lr=D.CategoricalDistribution([1e-5, 0.2]), momentum=D.CategoricalDistribution([0.9])),
         sampler={"name": "RandomSampler", "kwargs": {"seed": 7}},  # draws each choice twice
         pruner={"name": "ThresholdPruner", "kwargs": {"lower": 0.3}},
     )
@@ -101,3 +101,29 @@ def test_finished_members_are_saved_as_plain_state_dicts(service: tuple[Client, 
         model.eval()
         with torch.no_grad():
             assert workload.metric(model(x), y) == pytest.approx(trial.value, abs=1e-6)
+
+
+def test_pruned_members_free_slots_that_waiting_trials_take(service: tuple[Client, str, Path]) -> None:
+    """Backfill: a pruned member's slot goes to a waiting trial of the same class at an epoch boundary."""
+    client, url, _ = service
+    study = client.create_study(
+        "digits-mlp", n_trials=8, epochs=20, name="backfill",
+        search_space=space(lr=D.CategoricalDistribution([1e-5, 0.2]), momentum=D.CategoricalDistribution([0.9])),
+        sampler={"name": "RandomSampler", "kwargs": {"seed": 7}},  # trials 2, 3 and 6 learn nothing
+        pruner={"name": "ThresholdPruner", "kwargs": {"lower": 0.3}},
+    )
+    client.wait(study["id"], timeout=180)
+    trials = client.trials(study["id"])
+    arrays = client.arrays(study["id"])
+    for t in trials:
+        steps = sorted(int(k) for k in t["intermediate_values"])
+        if t["params"]["lr"] == 1e-5:
+            assert t["state"] == "PRUNED" and steps == [0]
+        else:  # late joiners count their own epochs from 0, like everyone else
+            assert t["state"] == "COMPLETE" and steps == list(range(20))
+    # Eight trials, at most four at a time (max_array_size=4): refilled arrays held more
+    # members over their life than at any moment, and fewer arrays were started than packing
+    # alone would need.
+    assert sum(a["size"] for a in arrays) == 8
+    assert max(a["size"] for a in arrays) > 4
+    assert len(arrays) == 1

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import torch
 
-from workers.spec import ArrayOutcome, ArraySpec
+from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
 from workers.training import train_array
 
 
@@ -26,6 +27,8 @@ class ArrayWorker:
             # and never more threads than the node has cores (Ray's CPUs may be logical).
             torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
         self.device = self._device(device_type)
+        self._lock = threading.Lock()
+        self._offers: dict[int, list[MemberSpec]] = {}
 
     @staticmethod
     def _device(device_type: str) -> torch.device:
@@ -52,5 +55,23 @@ class ArrayWorker:
             "memory_bytes": memory,
         }
 
+    def offer(self, array_id: int, members: list[MemberSpec]) -> None:
+        """Queue newcomers for array ``array_id``; they join it at its next epoch boundary.
+
+        Runs on the actor's second thread while :meth:`run` trains on the first.
+        """
+        with self._lock:
+            self._offers.setdefault(array_id, []).extend(members)
+
+    def take(self, array_id: int) -> list[MemberSpec]:
+        """The newcomers offered to ``array_id`` so far (the training loop's inbox)."""
+        with self._lock:
+            return self._offers.pop(array_id, [])
+
     def run(self, spec: ArraySpec) -> ArrayOutcome:
-        return train_array(spec, self.device)
+        outcome = train_array(spec, self.device, inbox=self)
+        with self._lock:
+            # Offers that arrived after the last epoch boundary were never trained: the
+            # scheduling loop re-queues them when it records this outcome.
+            self._offers.clear()
+        return outcome

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import ray
 
 from workers.actor import ArrayWorker
-from workers.spec import ArrayOutcome, ArraySpec
+from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
 
 
 def _options(device_type: str, threads: int) -> dict:
@@ -83,7 +83,7 @@ class WorkerPool:
     def _start(name: str, device_type: str, threads: int) -> WorkerHandle:
         actor = (
             ray.remote(ArrayWorker)
-            .options(max_concurrency=1, **_options(device_type, threads))
+            .options(max_concurrency=2, **_options(device_type, threads))  # run + offer
             .remote(name, device_type, threads)
         )
         return WorkerHandle(name=name, device_type=device_type, num_threads=threads, actor=actor)
@@ -96,6 +96,12 @@ class WorkerPool:
             raise RuntimeError(f"worker {worker.name} is already training array {worker.spec.array_id}")
         worker.spec = spec
         worker.ref = worker.actor.run.remote(spec)
+
+    def offer(self, worker: WorkerHandle, members: list[MemberSpec]) -> None:
+        """Hand newcomers to the array ``worker`` is training; they join at its next epoch boundary."""
+        if worker.spec is None:
+            raise RuntimeError(f"worker {worker.name} is not training an array")
+        worker.actor.offer.remote(worker.spec.array_id, members)
 
     def poll(self, timeout: float = 0.0) -> list[tuple[WorkerHandle, ArraySpec, ArrayOutcome | BaseException]]:
         """Arrays that finished since the last poll, with their outcome or the error that ended them.

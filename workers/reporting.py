@@ -33,27 +33,29 @@ class Reporter:
             study_name=spec.study_name, storage=get_optuna_storage(spec.database_url), pruner=pruner
         )
         self.sessions = get_sessionmaker(spec.database_url)
-        self._trials = {m.trial_id: optuna.Trial(self.study, m.optuna_trial_id) for m in spec.members}
+        self._trials: dict[int, optuna.Trial] = {}
 
-    def started(self) -> None:
-        ids = [m.trial_id for m in self.spec.members]
+    def started(self, members: Sequence[MemberSpec]) -> None:
+        """Mark ``members`` RUNNING (the array's first members, or newcomers joining it)."""
+        for m in members:
+            self._trials.setdefault(m.trial_id, optuna.Trial(self.study, m.optuna_trial_id))
         with self.sessions.begin() as session:
             session.execute(
                 update(Trial)
-                .where(Trial.id.in_(ids))
+                .where(Trial.id.in_([m.trial_id for m in members]))
                 .values(state=TrialState.RUNNING, started_at=utcnow())
             )
 
-    def epoch(self, epoch: int, members: Sequence[MemberSpec], values: Sequence[float]) -> list[bool]:
-        """Report each member's metric for ``epoch``; returns, per member, whether to prune it."""
+    def epoch(self, members: Sequence[MemberSpec], steps: Sequence[int], values: Sequence[float]) -> list[bool]:
+        """Report each member's metric at its own epoch ``step``; returns, per member, whether to prune it."""
         prune = []
-        for member, value in zip(members, values, strict=True):
+        for member, step, value in zip(members, steps, values, strict=True):
             trial = self._trials[member.trial_id]
-            trial.report(value, step=epoch)
+            trial.report(value, step=step)
             prune.append(trial.should_prune())
         with self.sessions.begin() as session:
             session.execute(
-                update(Array).where(Array.id == self.spec.array_id).values(epochs_done=epoch + 1)
+                update(Array).where(Array.id == self.spec.array_id).values(epochs_done=Array.epochs_done + 1)
             )
         return prune
 

@@ -7,7 +7,7 @@ import time
 import traceback
 from pathlib import Path
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -82,85 +82,112 @@ def size_on_device(
     )
 
 
-def train_array(spec: ArraySpec, device: torch.device, reporter: Reporter | None = None) -> ArrayOutcome:
-    """Train ``spec``'s members as one fused model for ``spec.epochs`` epochs.
+class Inbox(Protocol):
+    """Where newcomers for a running array wait for its next epoch boundary."""
 
-    After every epoch each live member's validation metric is reported; members whose
-    pruner says so are pruned and members whose loss stopped being finite fail, while the
-    others keep training. Any other error fails the whole array, with the error recorded.
+    def take(self, array_id: int) -> list[MemberSpec]: ...
+
+
+def train_array(
+    spec: ArraySpec, device: torch.device, reporter: Reporter | None = None, inbox: Inbox | None = None
+) -> ArrayOutcome:
+    """Train ``spec``'s members as one fused model, each for ``spec.epochs`` epochs.
+
+    After every epoch each member's validation metric is reported. Members end on their own:
+    after their last epoch, when their pruner says so, or when their loss stops being finite;
+    the rest keep training, and the ended ones leave the fused model. Newcomers waiting in
+    ``inbox`` join at the epoch boundary with fresh weights and optimizer state, so members
+    of one array can be at different epochs. Any other error fails the whole array, with
+    the error recorded.
     """
     reporter = reporter or Reporter(spec)
     outcome = ArrayOutcome(array_id=spec.array_id)
-    members = list(spec.members)
-    live = [True] * len(members)
+    members: list[MemberSpec] = list(spec.members)
+    epochs_done: list[int] = [0] * len(members)
     try:
         workload = get_workload(spec.workload)
-        reporter.started()
-        fused = fusion.fuse(build_models(workload, members, spec.seed)).to(device)
-        optimizer = make_optimizer(workload, fused, [m.params for m in members])
+        reporter.started(members)
         train, val = workload.datasets()
         x, y = (t.to(device) for t in train.tensors)
         x_val, y_val = (t.to(device) for t in val.tensors)
         outcome.sizing = size_on_device(workload, spec, x, y, device).to_json()
-        outcome.members = len(members)
+        fused = fusion.fuse(build_models(workload, members, spec.seed)).to(device)
+        optimizer = make_optimizer(workload, fused, [m.params for m in members])
         batch_size = workload.batch_size_for(members[0].params)
         generator = torch.Generator().manual_seed(spec.seed)
-        num_members = len(members)
-        member_steps, train_seconds = 0, 0.0
-        last_values: list[float | None] = [None] * num_members
+        member_steps, steps, train_seconds = 0, 0, 0.0
 
-        for epoch in range(spec.epochs):
+        while members:
+            count = len(members)
             fused.train()
             start = time.perf_counter()
             order = torch.randperm(len(y), generator=generator).to(device)
-            losses = torch.zeros(num_members, device=device)
+            losses = torch.zeros(count, device=device)
             for begin in range(0, len(y), batch_size):
                 idx = order[begin : begin + batch_size]
-                out = fused(fusion.broadcast(x[idx], num_members))
-                losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(y[idx], num_members))
+                out = fused(fusion.broadcast(x[idx], count))
+                losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(y[idx], count))
                 optimizer.zero_grad(set_to_none=True)
                 losses.sum().backward()
                 optimizer.step()
-                member_steps += sum(live)
+                member_steps, steps = member_steps + count, steps + 1
             train_seconds += time.perf_counter() - start
 
             fused.eval()
             with torch.no_grad():
-                out = fused(fusion.broadcast(x_val, num_members))
-            values = [float(workload.metric(out[b], y_val)) for b in range(num_members)]
+                out = fused(fusion.broadcast(x_val, count))
+            values = [float(workload.metric(out[b], y_val)) for b in range(count)]
             final_losses = losses.detach().cpu().tolist()
+            outcome.epochs_done += 1
 
-            alive = [b for b in range(num_members) if live[b]]
-            for b in alive:
+            ended = []
+            for b in range(count):
+                epochs_done[b] += 1
                 if not math.isfinite(final_losses[b]) or not math.isfinite(values[b]):
-                    reporter.fail(members[b], f"training diverged: non-finite loss at epoch {epoch}")
+                    reporter.fail(members[b], f"training diverged: non-finite loss at epoch {epochs_done[b] - 1}")
                     outcome.failed[members[b].trial_id] = "training diverged"
-                    live[b] = False
-            alive = [b for b in alive if live[b]]
-            prune = reporter.epoch(epoch, [members[b] for b in alive], [values[b] for b in alive])
-            for b, should_prune in zip(alive, prune, strict=True):
-                last_values[b] = values[b]
-                if should_prune and epoch < spec.epochs - 1:
+                    ended.append(b)
+            going = [b for b in range(count) if b not in ended]
+            prune = reporter.epoch(
+                [members[b] for b in going], [epochs_done[b] - 1 for b in going], [values[b] for b in going]
+            )
+            for b, should_prune in zip(going, prune, strict=True):
+                if epochs_done[b] >= spec.epochs:
+                    if spec.artifact_dir is not None:
+                        reporter.saved(members[b], save_member(fused, b, spec, members[b]))
+                    reporter.complete(members[b], values[b])
+                    outcome.completed.append(members[b].trial_id)
+                    ended.append(b)
+                elif should_prune:
                     reporter.pruned(members[b], values[b])
                     outcome.pruned.append(members[b].trial_id)
-                    live[b] = False
-            outcome.epochs_done = epoch + 1
-            if not any(live):
-                break
+                    ended.append(b)
 
-        for b in range(num_members):
-            if live[b]:
-                if spec.artifact_dir is not None:
-                    reporter.saved(members[b], save_member(fused, b, spec, members[b]))
-                reporter.complete(members[b], last_values[b])
-                outcome.completed.append(members[b].trial_id)
+            newcomers = inbox.take(spec.array_id) if inbox is not None else []
+            if ended and len(ended) < count:
+                fused.remove_members(ended)
+                optimizer.remove_members(ended)
+            keep = [b for b in range(count) if b not in ended]
+            members, epochs_done = [members[b] for b in keep], [epochs_done[b] for b in keep]
+            if newcomers:
+                reporter.started(newcomers)
+                models = build_models(workload, newcomers, spec.seed)
+                if members:
+                    fused.add_members(models)
+                    optimizer.add_members(len(newcomers), **optimizer_kwargs(workload, [m.params for m in newcomers]))
+                else:  # every member ended at this boundary: the newcomers make a fresh array
+                    fused = fusion.fuse(models).to(device)
+                    optimizer = make_optimizer(workload, fused, [m.params for m in newcomers])
+                members += newcomers
+                epochs_done += [0] * len(newcomers)
+
         if train_seconds > 0:
             outcome.models_steps_per_s = member_steps / train_seconds
-    except Exception as exc:  # the array fails as a whole; every member still live records why
+            outcome.members = round(member_steps / steps)
+    except Exception as exc:  # the array fails as a whole; every member still training records why
         outcome.error = f"{type(exc).__name__}: {exc}"
         detail = outcome.error + "\n" + traceback.format_exc(limit=5)
-        for b, member in enumerate(members):
-            if live[b]:
-                reporter.fail(member, detail)
-                outcome.failed[member.trial_id] = outcome.error
+        for member in members:
+            reporter.fail(member, detail)
+            outcome.failed[member.trial_id] = outcome.error
     return outcome
