@@ -134,8 +134,11 @@ class Coordinator:
             if self.pool.refresh():
                 self._register_workers()
             self._next_refresh = time.monotonic() + self.settings.device_refresh_s
-        for worker, spec, result in self.pool.poll():
+        finished = self.pool.poll()
+        for worker, spec, result in finished:
             self._record(worker, spec, result)
+        if any(isinstance(result, BaseException) for _, _, result in finished):
+            self._register_workers()  # replacement actors run in new processes
         with self.sessions() as session:
             studies = session.scalars(
                 select(Study).where(Study.state == StudyState.RUNNING).order_by(Study.id)
@@ -314,6 +317,15 @@ class Coordinator:
         self._running.pop(worker.name, None)
         if isinstance(result, ArrayOutcome):
             self._learn(spec.signature, worker.device_type, result)
+        # Optuna writes through its own connection: end its trials before opening our write
+        # transaction, which on SQLite would hold the only write lock while Optuna waits.
+        with self.sessions() as session:
+            orphaned = session.scalars(
+                select(Trial.optuna_trial_id).where(Trial.array_id == spec.array_id, Trial.state == TrialState.RUNNING)
+            ).all()
+        for optuna_trial_id in orphaned:
+            if self.storage.get_trial(optuna_trial_id).state == optuna.trial.TrialState.RUNNING:
+                self.storage.set_trial_state_values(optuna_trial_id, optuna.trial.TrialState.FAIL)
         with self.sessions.begin() as session:
             array = session.get(Array, spec.array_id)
             if isinstance(result, ArrayOutcome):
@@ -331,12 +343,7 @@ class Coordinator:
                 trial.array_id = None
                 session.execute(delete(ArrayMember).where(ArrayMember.array_id == array.id, ArrayMember.trial_id == trial.id))
             # Members the worker could not end itself (it died) fail with the array's error.
-            unfinished = session.scalars(
-                select(Trial).where(Trial.array_id == array.id, Trial.state == TrialState.RUNNING)
-            ).all()
-            for trial in unfinished:
-                if self.storage.get_trial(trial.optuna_trial_id).state == optuna.trial.TrialState.RUNNING:
-                    self.storage.set_trial_state_values(trial.optuna_trial_id, optuna.trial.TrialState.FAIL)
+            for trial in session.scalars(select(Trial).where(Trial.optuna_trial_id.in_(orphaned))):
                 trial.state, trial.error, trial.completed_at = TrialState.FAIL, array.error, utcnow()
 
     def _learn(self, signature: str, device_type: str, outcome: ArrayOutcome) -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
 import pytest
+import sqlalchemy as sa
 import torch
 
 from client import Client
+from server.db import get_engine
 from tests.conftest import running_service
 from workers.workloads import get_workload
 
@@ -127,3 +132,32 @@ def test_pruned_members_free_slots_that_waiting_trials_take(service: tuple[Clien
     assert sum(a["size"] for a in arrays) == 8
     assert max(a["size"] for a in arrays) > 4
     assert len(arrays) == 1
+
+
+def test_a_worker_killed_mid_array_fails_its_trials_and_is_replaced(service: tuple[Client, str, Path]) -> None:
+    client, url, _ = service
+    study = client.create_study(
+        "digits-mlp", n_trials=2, epochs=2000, name="crash",
+        search_space=space(lr=D.FloatDistribution(0.01, 0.1)),
+    )
+    deadline = time.monotonic() + 60
+    while not any(t["state"] == "RUNNING" for t in client.trials(study["id"])):
+        assert time.monotonic() < deadline, "the array never started"
+        time.sleep(0.1)
+    with get_engine(url).connect() as conn:
+        node = conn.execute(sa.text("SELECT node FROM ft_workers WHERE name = 'fusetune-cpu-0'")).scalar_one()
+    os.kill(int(node.rsplit(":", 1)[1]), signal.SIGKILL)
+
+    client.wait(study["id"], timeout=60)
+    for t in client.trials(study["id"]):
+        assert t["state"] == "FAIL"
+        assert "worker fusetune-cpu-0 failed" in t["error"]
+    assert [a["state"] for a in client.arrays(study["id"])] == ["FAIL"]
+    states = {t.state for t in optuna.load_study(study_name="crash", storage=url).trials}
+    assert states == {optuna.trial.TrialState.FAIL}
+
+    # The pool replaced the dead worker: the next study trains as usual.
+    again = client.create_study("digits-mlp", n_trials=1, epochs=1, name="after-crash")
+    assert client.wait(again["id"], timeout=120)["trial_counts"]["COMPLETE"] == 1
+    with get_engine(url).connect() as conn:
+        assert conn.execute(sa.text("SELECT node FROM ft_workers WHERE name = 'fusetune-cpu-0'")).scalar_one() != node

@@ -121,6 +121,7 @@ class WorkerPool:
             except ray.exceptions.RayActorError as exc:
                 result = exc
                 worker.actor = self._start(worker.name, worker.device_type, worker.num_threads).actor
+                worker.node = ray.get(worker.actor.info.remote())["node"]
             except ray.exceptions.RayError as exc:
                 result = exc
             worker.spec, worker.ref = None, None
