@@ -16,7 +16,7 @@ same number of steps back to back, and each path's best round is reported
 (timeit's convention), so load from other jobs on a shared machine, which
 only ever slows a round down, disturbs the compared paths alike.
 
-Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm]
+Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm,pointnet]
        [--members 1,2,4,8,16] [--paths serial,fused,func] [--steps 10]
        [--rounds 5] [--batch 64]
        python benchmarks/fusion.py --profile resnet:4 --steps 2   # where time goes
@@ -47,92 +47,10 @@ from torch import nn  # noqa: E402
 
 import fusion  # noqa: E402
 
-# ----------------------------------------------------------------------------- models
+from benchmarks.zoo import LSTMLM, PointNet, ResNet18, TransformerClassifier, cnn, mlp  # noqa: E402
 
-
-def mlp() -> nn.Module:
-    """The digits MLP shape (8x8 images), hidden 128."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
-                         nn.Linear(128, 10))
-
-
-def cnn() -> nn.Module:
-    """The digits CNN shape: conv + BatchNorm + pooling on 8x8 images."""
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
-    )
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
-
-
-class ResNet18(nn.Module):
-    """CIFAR-shaped ResNet-18 ([2, 2, 2, 2] basic blocks), width reduced for a 2-core CPU."""
-
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        blocks = []
-        cin = width
-        for i, stride in enumerate((1, 2, 2, 2)):
-            cout = width * 2**i
-            blocks += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
-            cin = cout
-        self.layers = nn.Sequential(*blocks)
-        self.linear = nn.Linear(cin, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.layers(F.relu(self.bn1(self.conv1(x))))
-        out = F.adaptive_avg_pool2d(out, 1)
-        return self.linear(out.view(out.size(0), -1))
-
-
-class TransformerClassifier(nn.Module):
-    """Token classifier: embedding, 2 encoder layers, padding mask, mean pooling."""
-
-    def __init__(self, vocab: int = 1000, d: int = 64) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d, padding_idx=0)
-        layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True)
-        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(d, 10)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pad = tokens == 0
-        h = self.enc(self.emb(tokens), src_key_padding_mask=pad)
-        keep = (~pad).unsqueeze(-1).to(h.dtype)
-        return self.head((h * keep).sum(1) / keep.sum(1))
-
-
-class LSTMLM(nn.Module):
-    """LSTM language model: next-token logits, returned as [N, V, T] for cross_entropy."""
-
-    def __init__(self, vocab: int = 1000, d: int = 64, hidden: int = 128) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.lstm = nn.LSTM(d, hidden, batch_first=True)
-        self.out = nn.Linear(hidden, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        y, _ = self.lstm(self.emb(tokens))
-        return self.out(y).transpose(1, 2)
+# ----------------------------------------------------------------------------- workloads
+# The models are defined once, in benchmarks/zoo.py (the fusion tests use the same classes).
 
 
 @dataclass
@@ -153,6 +71,7 @@ WORKLOADS: dict[str, Workload] = {
     "resnet": Workload(ResNet18, lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))),
     "transformer": Workload(TransformerClassifier, lambda n: (_tokens(n), torch.randint(0, 10, (n,)))),
     "lstm": Workload(LSTMLM, lambda n: (torch.randint(0, 1000, (n, 32)), torch.randint(0, 1000, (n, 32)))),
+    "pointnet": Workload(PointNet, lambda n: (torch.randn(n, 3, 256), torch.randint(0, 10, (n,)))),
 }
 
 # ----------------------------------------------------------------------------- paths
@@ -292,7 +211,7 @@ def sizing_report(names: list[str], members: list[int], batch: int, steps: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp,cnn,resnet,transformer,lstm")
+    parser.add_argument("--models", default="mlp,cnn,resnet,transformer,lstm,pointnet")
     parser.add_argument("--members", default="1,2,4,8,16")
     parser.add_argument("--paths", default="serial,fused,func")
     parser.add_argument("--batch", type=int, default=64)

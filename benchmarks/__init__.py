@@ -1,0 +1,1 @@
+"""Benchmarks (run as scripts); ``benchmarks.zoo`` is also imported by the fusion tests."""
