@@ -89,7 +89,6 @@ def simulate(
     tix = {name: i for i, name in enumerate(tenant_names)}
     n_t, n_dev = len(tenant_names), len(devices)
     types = tuple(sorted(cluster))
-    gix = {g: i for i, g in enumerate(types)}
     best_solo = {j: max(curves[(j, g)].solo_steps_per_s for g in types) for j in {t.job_type for t in trials}}
 
     order = sorted(trials, key=lambda t: (t.arrival, t.trial_id))

@@ -7,7 +7,6 @@ the transactions over fusetune's tables and Optuna's storage.
 from __future__ import annotations
 
 import uuid
-from collections import Counter
 
 import optuna
 from sqlalchemy import func, select

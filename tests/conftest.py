@@ -7,10 +7,14 @@ import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
+
+if TYPE_CHECKING:
+    from client import Client
 
 POSTGRES_ENV = "FUSETUNE_TEST_POSTGRES_URL"
 

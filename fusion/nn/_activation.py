@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._base import FusedLayer, check_same_config, stack_weight
+from ._base import FusedLayer
 
 
 class PReLU(FusedLayer):
     """B ``nn.PReLU`` layers; slopes ``[B, num_parameters]`` on channel axis 1."""
 
+    twin_of = nn.PReLU
+    stacked_params = ('weight',)
+
     weight: nn.Parameter
 
     needs_batch_probe = True
 
-    def __init__(self, num_members: int, num_parameters: int) -> None:
+    def __init__(self, num_members: int, prelu: nn.PReLU) -> None:
         super().__init__(num_members)
-        self.num_parameters = num_parameters
-
-    @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> PReLU:
-        check_same_config(members, path)
-        first = members[0]
-        assert isinstance(first, nn.PReLU)
-        layer = cls(len(members), first.num_parameters)
-        layer.weight = stack_weight([m.weight for m in members])
-        return layer
+        self.num_parameters = prelu.num_parameters
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.num_members == 1:

@@ -55,14 +55,6 @@ def stack_param(tensors: Sequence[Any], requires_grad: bool = True) -> nn.Parame
     return nn.Parameter(stacked, requires_grad=requires_grad and tensors[0].requires_grad)
 
 
-def stack_weight(tensors: Sequence[Any]) -> nn.Parameter:
-    """:func:`stack_param` for a parameter every member has."""
-    stacked = stack_param(tensors)
-    if stacked is None:
-        raise FusionError("expected a parameter in every member")
-    return stacked
-
-
 def stack_buffer(tensors: Sequence[Any]) -> torch.Tensor | None:
     """Stack one buffer of every member into a ``[B, ...]`` tensor."""
     if tensors[0] is None:
@@ -94,10 +86,30 @@ class FusedLayer(nn.Module):
         super().__init__()
         self.num_members = num_members
 
+    #: The ``torch.nn`` layer type(s) this twin fuses (``from_members`` checks it).
+    twin_of: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = ()
+    #: Parameters and buffers the default ``from_members`` stacks per member (None stays None).
+    stacked_params: ClassVar[tuple[str, ...]] = ()
+    stacked_buffers: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def from_members(cls, members: Sequence[nn.Module], path: str) -> FusedLayer:
-        """Build the fused twin of ``members`` (same type); ``path`` is for messages."""
-        raise FusionError(f"{cls.__name__} cannot be built from members")
+        """Build the fused twin of ``members`` (same type); ``path`` is for messages.
+
+        Members must agree on every plain attribute but ``per_member_attrs``; the twin is
+        constructed from member 0 (``cls(B, members[0])``) and ``stacked_params`` and
+        ``stacked_buffers`` are stacked along a new leading member axis.
+        """
+        first = members[0]
+        if not cls.twin_of or not isinstance(first, cls.twin_of):
+            raise FusionError(f"{cls.__name__} cannot be built from {type(first).__name__} members")
+        check_same_config(members, path, ignore=cls.per_member_attrs)
+        layer = cls(len(members), first)  # type: ignore[call-arg]
+        for name in cls.stacked_params:
+            setattr(layer, name, stack_param([getattr(m, name) for m in members]))
+        for name in cls.stacked_buffers:
+            layer.register_buffer(name, stack_buffer([getattr(m, name) for m in members]))
+        return layer
 
     # Hooks for per-member state that is not a tensor (for example dropout p).
     def select_members(self, index: list[int]) -> None:

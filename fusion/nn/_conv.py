@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._errors import FusionError
-from ._base import FusedLayer, check_same_config, stack_param, stack_weight
+from ._base import FusedLayer
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T_FN = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -31,6 +30,9 @@ def _from_channels(y: torch.Tensor, b: int) -> torch.Tensor:
 class _ConvBase(FusedLayer):
     """Shared code of fused convolutions: stacked ``[B, ...]`` weight and bias."""
 
+    twin_of = nn.modules.conv._ConvNd
+    stacked_params = ('weight', 'bias')
+
     weight: nn.Parameter
     bias: nn.Parameter | None
 
@@ -47,16 +49,6 @@ class _ConvBase(FusedLayer):
         self.padding_mode = conv.padding_mode
         self._reversed_padding_repeated_twice = conv._reversed_padding_repeated_twice
         self.dims = len(conv.kernel_size)
-
-    @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> _ConvBase:
-        check_same_config(members, path)
-        first = members[0]
-        assert isinstance(first, nn.modules.conv._ConvNd)
-        layer = cls(len(members), first)
-        layer.weight = stack_weight([m.weight for m in members])
-        layer.bias = stack_param([m.bias for m in members])
-        return layer
 
     def extra_repr(self) -> str:
         return (

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import FusionError
-from ._base import FusedLayer, check_same_config, stack_weight
+from ._base import FusedLayer
 
 
 class Embedding(FusedLayer):
@@ -19,6 +19,9 @@ class Embedding(FusedLayer):
     padding positions, values unchanged) and ``max_norm`` renormalises only the
     rows each member looks up, both exactly as torch does per table.
     """
+
+    twin_of = nn.Embedding
+    stacked_params = ("weight",)
 
     weight: nn.Parameter
 
@@ -36,16 +39,11 @@ class Embedding(FusedLayer):
 
     @classmethod
     def from_members(cls, members: Sequence[nn.Module], path: str) -> Embedding:
-        check_same_config(members, path)
-        first = members[0]
-        assert isinstance(first, nn.Embedding)
-        if first.sparse:
+        if getattr(members[0], "sparse", False):
             raise FusionError(
                 f"submodule '{path}' (Embedding): sparse=True is not supported by fusion"
             )
-        layer = cls(len(members), first)
-        layer.weight = stack_weight([m.weight for m in members])
-        return layer
+        return super().from_members(members, path)  # type: ignore[return-value]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         idx = self._to_front(input)

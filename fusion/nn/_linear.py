@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._base import FusedLayer, check_same_config, stack_param, stack_weight
+from ._base import FusedLayer
 
 
 class Linear(FusedLayer):
@@ -18,25 +17,18 @@ class Linear(FusedLayer):
     used transposed as a view, so no weight copy is made per step.
     """
 
+    twin_of = nn.Linear
+    stacked_params = ('weight', 'bias')
+
     weight: nn.Parameter
     bias: nn.Parameter | None
 
     needs_batch_probe = True
 
-    def __init__(self, num_members: int, in_features: int, out_features: int) -> None:
+    def __init__(self, num_members: int, linear: nn.Linear) -> None:
         super().__init__(num_members)
-        self.in_features = in_features
-        self.out_features = out_features
-
-    @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> Linear:
-        check_same_config(members, path)
-        first = members[0]
-        assert isinstance(first, nn.Linear)
-        layer = cls(len(members), first.in_features, first.out_features)
-        layer.weight = stack_weight([m.weight for m in members])
-        layer.bias = stack_param([m.bias for m in members])
-        return layer
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.num_members == 1:
@@ -65,26 +57,19 @@ class Linear(FusedLayer):
 class Bilinear(FusedLayer):
     """B ``nn.Bilinear`` layers computed by one einsum."""
 
+    twin_of = nn.Bilinear
+    stacked_params = ('weight', 'bias')
+
     weight: nn.Parameter
     bias: nn.Parameter | None
 
     needs_batch_probe = True
 
-    def __init__(self, num_members: int, in1: int, in2: int, out: int) -> None:
+    def __init__(self, num_members: int, bilinear: nn.Bilinear) -> None:
         super().__init__(num_members)
-        self.in1_features = in1
-        self.in2_features = in2
-        self.out_features = out
-
-    @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> Bilinear:
-        check_same_config(members, path)
-        first = members[0]
-        assert isinstance(first, nn.Bilinear)
-        layer = cls(len(members), first.in1_features, first.in2_features, first.out_features)
-        layer.weight = stack_weight([m.weight for m in members])
-        layer.bias = stack_param([m.bias for m in members])
-        return layer
+        self.in1_features = bilinear.in1_features
+        self.in2_features = bilinear.in2_features
+        self.out_features = bilinear.out_features
 
     def forward(self, input1: torch.Tensor, input2: torch.Tensor) -> torch.Tensor:
         x1 = self._to_front(input1)

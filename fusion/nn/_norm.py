@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import FusionError
-from ._base import FusedLayer, check_same_config, stack_buffer, stack_param
+from ._base import FusedLayer
 
 
 class BatchNorm(FusedLayer):
@@ -29,6 +29,9 @@ class BatchNorm(FusedLayer):
     running_var: torch.Tensor | None
     num_batches_tracked: torch.Tensor | None
 
+    twin_of = nn.modules.batchnorm._BatchNorm
+    stacked_params = ("weight", "bias")
+    stacked_buffers = ("running_mean", "running_var", "num_batches_tracked")
     per_member_attrs = frozenset({"momentum"})
     #: "channels": one F.batch_norm over [N, B*C, ...] (two layout copies);
     #: "loop": one F.batch_norm per member on its contiguous rows (no copies
@@ -48,18 +51,9 @@ class BatchNorm(FusedLayer):
 
     @classmethod
     def from_members(cls, members: Sequence[nn.Module], path: str) -> BatchNorm:
-        check_same_config(members, path, ignore=cls.per_member_attrs)
-        first = members[0]
-        assert isinstance(first, nn.modules.batchnorm._BatchNorm)
-        layer = cls(len(members), first)
+        layer = super().from_members(members, path)
+        assert isinstance(layer, BatchNorm)
         layer.momentum = [m.momentum for m in members]  # type: ignore[misc]
-        layer.weight = stack_param([m.weight for m in members])
-        layer.bias = stack_param([m.bias for m in members])
-        layer.register_buffer("running_mean", stack_buffer([m.running_mean for m in members]))
-        layer.register_buffer("running_var", stack_buffer([m.running_var for m in members]))
-        layer.register_buffer(
-            "num_batches_tracked", stack_buffer([m.num_batches_tracked for m in members])
-        )
         return layer
 
     def select_members(self, index: list[int]) -> None:
@@ -148,6 +142,9 @@ class BatchNorm(FusedLayer):
 class LayerNorm(FusedLayer):
     """B ``nn.LayerNorm`` layers: one normalisation, per-member affine."""
 
+    twin_of = nn.LayerNorm
+    stacked_params = ('weight', 'bias')
+
     weight: nn.Parameter | None
     bias: nn.Parameter | None
 
@@ -158,16 +155,6 @@ class LayerNorm(FusedLayer):
         self.normalized_shape = tuple(ln.normalized_shape)
         self.eps = ln.eps
         self.elementwise_affine = ln.elementwise_affine
-
-    @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> LayerNorm:
-        check_same_config(members, path)
-        first = members[0]
-        assert isinstance(first, nn.LayerNorm)
-        layer = cls(len(members), first)
-        layer.weight = stack_param([m.weight for m in members])
-        layer.bias = stack_param([m.bias for m in members])
-        return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.num_members == 1:
@@ -190,6 +177,9 @@ class LayerNorm(FusedLayer):
 class GroupNorm(FusedLayer):
     """B ``nn.GroupNorm`` layers: one per-sample normalisation, per-member affine."""
 
+    twin_of = nn.GroupNorm
+    stacked_params = ('weight', 'bias')
+
     weight: nn.Parameter | None
     bias: nn.Parameter | None
 
@@ -199,16 +189,6 @@ class GroupNorm(FusedLayer):
         self.num_channels = gn.num_channels
         self.eps = gn.eps
         self.affine = gn.affine
-
-    @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> GroupNorm:
-        check_same_config(members, path)
-        first = members[0]
-        assert isinstance(first, nn.GroupNorm)
-        layer = cls(len(members), first)
-        layer.weight = stack_param([m.weight for m in members])
-        layer.bias = stack_param([m.bias for m in members])
-        return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_batch(input)
@@ -233,6 +213,9 @@ class InstanceNorm(FusedLayer):
     :class:`FusionError` when fused.
     """
 
+    twin_of = nn.modules.instancenorm._InstanceNorm
+    stacked_params = ("weight", "bias")
+
     weight: nn.Parameter | None
     bias: nn.Parameter | None
 
@@ -244,17 +227,12 @@ class InstanceNorm(FusedLayer):
 
     @classmethod
     def from_members(cls, members: Sequence[nn.Module], path: str) -> InstanceNorm:
-        check_same_config(members, path)
         first = members[0]
-        assert isinstance(first, nn.modules.instancenorm._InstanceNorm)
-        if first.track_running_stats:
+        if getattr(first, "track_running_stats", False):
             raise FusionError(
                 f"submodule '{path}' ({type(first).__name__}): track_running_stats=True is not supported"
             )
-        layer = cls(len(members), first)
-        layer.weight = stack_param([m.weight for m in members])
-        layer.bias = stack_param([m.bias for m in members])
-        return layer
+        return super().from_members(members, path)  # type: ignore[return-value]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_batch(input)

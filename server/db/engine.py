@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from alembic import command
 from alembic.config import Config
@@ -11,6 +12,9 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
+
+if TYPE_CHECKING:
+    import optuna
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 #: Optuna keeps its own Alembic history in ``alembic_version``; ours must not share it.
