@@ -8,9 +8,10 @@ type and caches the answer per (signature, device type):
    parameters, gradients, optimizer state and the tensors autograd saves for
    backward) and the largest candidate under the limit minus headroom is then
    checked by a real training step (on CUDA an out-of-memory steps B down).
-2. The B with the highest measured models·steps/s among those that fit,
-   each timed interleaved with an ordinary unfused model (best of ``rounds``
-   rounds each), so load from other jobs hits both alike. If no fused B beats the unfused model by
+2. The B with the highest speed-up among those that fit: each B is timed
+   interleaved with an ordinary unfused model over ``rounds`` rounds of blocks
+   lasting at least ``min_block_seconds``, so load from other jobs hits both
+   alike, and the speed-up is the median of the rounds' ratios. If no fused B beats the unfused model by
    ``min_gain``, ``fusion_pays`` is False and ``best_members`` is 1: the
    scheduler should run members unfused (or in parallel) on that device.
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
+import statistics
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -205,7 +208,8 @@ def size_array(
     headroom: float = 0.2,
     steps: int = 2,
     rounds: int = 5,
-    min_gain: float = 1.02,
+    min_gain: float = 1.05,
+    min_block_seconds: float = 0.05,
     signature: str | None = None,
     cache: bool = True,
     cache_path: str | os.PathLike[str] | None = None,
@@ -275,10 +279,10 @@ def size_array(
         loss_fn(solo(x), y).backward()
         solo_opt.step()
 
-    def timed(fn: Callable[[], None]) -> float:
+    def timed(fn: Callable[[], None], n: int) -> float:
         _sync(dev)
         start = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(n):
             fn()
         _sync(dev)
         return time.perf_counter() - start
@@ -290,17 +294,21 @@ def size_array(
     for b in fitting:
         array = _Array(model_factory, b, dev, optimizer, lr, x, y, loss_fn)
         array.step()  # warm-up and dry run
+        # A timed block of a few-millisecond model is mostly timer and scheduler noise;
+        # run each block for at least min_block_seconds so noise cannot pass min_gain.
+        n = max(steps, math.ceil(min_block_seconds / max(timed(array.step, 1), 1e-6)))
         fused_t, solo_t = [], []
         for _ in range(rounds):
-            solo_t.append(timed(solo_step))
-            fused_t.append(timed(array.step))
+            solo_t.append(timed(solo_step, n) / n)
+            fused_t.append(timed(array.step, n) / n)
         solo_times += solo_t
-        # Best round of each (timeit's convention): other jobs on the device
-        # only ever slow a round down, and interleaving gives both the same chances.
-        throughput[b] = b * steps / min(fused_t)
-        speedup[b] = b * min(solo_t) / min(fused_t)
+        # Throughput: best round (timeit's convention: other jobs only ever slow a round
+        # down). Speed-up: the median of the interleaved rounds' ratios, so that one lucky
+        # round cannot make a fused size look better than it is.
+        throughput[b] = b / min(fused_t)
+        speedup[b] = statistics.median(b * s / f for s, f in zip(solo_t, fused_t))
         del array
-    solo_rate = steps / min(solo_times)
+    solo_rate = 1.0 / min(solo_times)
     best = max(speedup, key=lambda b: speedup[b])
     pays = speedup[best] >= min_gain and best > 1
     result = SizingResult(
