@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ._base import FusedOptimizer
+from ._base import FusedOptimizer, closure_loss
 
 Num = float | Sequence[float]
 Betas = tuple[float, float] | Sequence[tuple[float, float]]
@@ -23,6 +23,7 @@ class Adam(FusedOptimizer):
     """
 
     member_hparams = ("lr", "eps", "weight_decay")
+    nonnegative_hparams = member_hparams
     pair_hparams = ("betas",)
     _decoupled = False
 
@@ -44,26 +45,15 @@ class Adam(FusedOptimizer):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        for lr in group["lr"]:
-            if lr < 0.0:
-                raise ValueError(f"Invalid learning rate: {lr}")
-        for eps in group["eps"]:
-            if eps < 0.0:
-                raise ValueError(f"Invalid epsilon value: {eps}")
+        super()._validate_group(group)
         for b1, b2 in group["betas"]:
             if not 0.0 <= b1 < 1.0 or not 0.0 <= b2 < 1.0:
                 raise ValueError(f"Invalid beta parameters: {(b1, b2)}")
-        for wd in group["weight_decay"]:
-            if wd < 0.0:
-                raise ValueError(f"Invalid weight_decay value: {wd}")
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimisation step for every member."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:

@@ -7,22 +7,16 @@ from typing import Any
 
 import torch
 
-from ._base import FusedOptimizer
+from ._base import FusedOptimizer, closure_loss
 
 Num = float | Sequence[float]
-
-
-def _closure_loss(closure: Any) -> Any:
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
 
 
 class RMSprop(FusedOptimizer):
     """``torch.optim.RMSprop`` for B members; every numeric setting per member."""
 
     member_hparams = ("lr", "alpha", "eps", "weight_decay", "momentum")
+    nonnegative_hparams = ("lr", "eps", "momentum", "weight_decay", "alpha")
 
     def __init__(
         self,
@@ -42,16 +36,10 @@ class RMSprop(FusedOptimizer):
         )
         super().__init__(params, defaults)
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        for key in ("lr", "eps", "momentum", "weight_decay", "alpha"):
-            for v in group[key]:
-                if v < 0.0:
-                    raise ValueError(f"Invalid {key} value: {v}")
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimisation step for every member."""
-        loss = _closure_loss(closure)
+        loss = closure_loss(closure)
         for group in self.param_groups:
             use_momentum = any(m > 0 for m in group["momentum"])
             for p in group["params"]:
@@ -95,6 +83,7 @@ class Adagrad(FusedOptimizer):
     """``torch.optim.Adagrad`` for B members; every numeric setting per member."""
 
     member_hparams = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+    nonnegative_hparams = member_hparams
 
     def __init__(
         self,
@@ -120,12 +109,6 @@ class Adagrad(FusedOptimizer):
                 init = self._hp(group["initial_accumulator_value"], p)
                 state["sum"] = (torch.zeros_like(p, memory_format=torch.preserve_format) + init)
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        for key in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
-            for v in group[key]:
-                if v < 0.0:
-                    raise ValueError(f"Invalid {key} value: {v}")
-
     def _fresh_state(self, key: str, value: torch.Tensor, count: int, new: dict[str, list[Any]]) -> torch.Tensor:
         fresh = super()._fresh_state(key, value, count, new)
         if key == "sum":
@@ -137,7 +120,7 @@ class Adagrad(FusedOptimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimisation step for every member."""
-        loss = _closure_loss(closure)
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -159,6 +142,7 @@ class Adadelta(FusedOptimizer):
     """``torch.optim.Adadelta`` for B members; every numeric setting per member."""
 
     member_hparams = ("lr", "rho", "eps", "weight_decay")
+    nonnegative_hparams = ("lr", "eps", "weight_decay")
 
     def __init__(
         self,
@@ -174,10 +158,7 @@ class Adadelta(FusedOptimizer):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        for key in ("lr", "eps", "weight_decay"):
-            for v in group[key]:
-                if v < 0.0:
-                    raise ValueError(f"Invalid {key} value: {v}")
+        super()._validate_group(group)
         for v in group["rho"]:
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"Invalid rho value: {v}")
@@ -185,7 +166,7 @@ class Adadelta(FusedOptimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimisation step for every member."""
-        loss = _closure_loss(closure)
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

@@ -93,8 +93,15 @@ class FusedOptimizer(Optimizer):
         self._validate_group(param_group)
         super().add_param_group(param_group)
 
+    #: Per-member hyper-parameters that must be >= 0 (checked like the torch twin does).
+    nonnegative_hparams: ClassVar[tuple[str, ...]] = ()
+
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check value ranges like the torch twin does (per member)."""
+        for key in self.nonnegative_hparams:
+            for v in group[key]:
+                if v < 0.0:
+                    raise ValueError(f"Invalid {key} value: {v}")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict``; also drops cached views of the old state."""
@@ -244,3 +251,11 @@ class FusedOptimizer(Optimizer):
     def _fresh_state(self, key: str, value: torch.Tensor, count: int, new: dict[str, list[Any]]) -> torch.Tensor:
         """State of ``count`` new members for entry ``key`` (zeros by default)."""
         return torch.zeros((count, *value.shape[1:]), dtype=value.dtype, device=value.device)
+
+
+def closure_loss(closure: Any) -> Any:
+    """Re-evaluate the loss with ``closure`` (grad enabled), as ``torch.optim`` steps do."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._base import FusedOptimizer
+from ._base import FusedOptimizer, closure_loss
 
 Num = float | Sequence[float]
 
@@ -22,6 +22,7 @@ class SGD(FusedOptimizer):
     """
 
     member_hparams = ("lr", "momentum", "dampening", "weight_decay")
+    nonnegative_hparams = ("lr", "momentum", "weight_decay")
 
     def __init__(
         self,
@@ -41,10 +42,7 @@ class SGD(FusedOptimizer):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        for key in ("lr", "momentum", "weight_decay"):
-            for v in group[key]:
-                if v < 0.0:
-                    raise ValueError(f"Invalid {key} value: {v}")
+        super()._validate_group(group)
         if group["nesterov"]:
             for m, d in zip(group["momentum"], group["dampening"]):
                 if m <= 0 or d != 0:
@@ -53,10 +51,7 @@ class SGD(FusedOptimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimisation step for every member."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
