@@ -44,7 +44,7 @@ from server.db import (
     utcnow,
 )
 from server.optuna_specs import make_sampler
-from server.schemas import StudyCreate
+from server.schemas import parse_search_space
 from server.settings import Settings
 from workers.pool import WorkerHandle, WorkerPool
 from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
@@ -200,13 +200,7 @@ class Coordinator:
             return
         workload = get_workload(study.workload)
         optuna_study = self._optuna_study(study)
-        distributions = (
-            StudyCreate.model_validate(
-                {"workload": study.workload, "n_trials": 1, "search_space": study.search_space}
-            ).distributions()
-            if study.search_space
-            else None
-        )
+        distributions = parse_search_space(study.search_space) if study.search_space else None
         for _ in range(wanted):
             trial = optuna_study.ask(fixed_distributions=distributions)
             row = Trial(study_id=study.id, optuna_trial_id=trial._trial_id, number=trial.number, params={}, signature="")
@@ -266,7 +260,7 @@ class Coordinator:
                 self._running[worker.name] = Placement(
                     worker.name, placement.signature, study.tenant, tuple(t.id for t in members), placement.lease_expires
                 )
-            elif placement.device_id in busy and self._running[placement.device_id].signature == placement.signature:
+            elif placement.device_id in busy and getattr(self._running.get(placement.device_id), "signature", None) == placement.signature:
                 # Only slots its ended members freed: the array keeps the size it started with.
                 spec = busy[placement.device_id].spec
                 present = [t.id for t, _ in rows if t.array_id == spec.array_id]

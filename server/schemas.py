@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import optuna
@@ -53,6 +54,24 @@ class PrunerSpec(ComponentSpec):
     _known, _constructible = _spec_validators(PRUNERS, make_pruner, "pruner")
 
 
+def parse_search_space(
+    space: Mapping[str, str | dict[str, Any]],
+) -> dict[str, optuna.distributions.BaseDistribution]:
+    """A search space in Optuna's distribution JSON (strings or objects) as distributions.
+
+    Raises:
+        ValueError: naming the parameter whose entry is not a distribution.
+    """
+    out = {}
+    for param, encoded in space.items():
+        text = encoded if isinstance(encoded, str) else json.dumps(encoded)
+        try:
+            out[param] = optuna.distributions.json_to_distribution(text)
+        except Exception as exc:  # Optuna raises ValueError, KeyError or JSONDecodeError
+            raise ValueError(f"search_space[{param!r}] is not an Optuna distribution JSON: {exc!r}") from exc
+    return out
+
+
 class StudyCreate(BaseModel):
     """A request to run a tuning study.
 
@@ -94,24 +113,9 @@ class StudyCreate(BaseModel):
             return None
         if not space:
             raise ValueError("search_space must name at least one parameter (or be omitted)")
-        for param, encoded in space.items():
-            text = encoded if isinstance(encoded, str) else json.dumps(encoded)
-            try:
-                optuna.distributions.json_to_distribution(text)
-            except Exception as exc:  # Optuna raises ValueError, KeyError or JSONDecodeError
-                raise ValueError(
-                    f"search_space[{param!r}] is not an Optuna distribution JSON: {exc!r}"
-                ) from exc
+        parse_search_space(space)
         return space
 
-    def distributions(self) -> dict[str, optuna.distributions.BaseDistribution] | None:
-        """The search space as Optuna distribution objects (None: the workload's default)."""
-        if self.search_space is None:
-            return None
-        return {
-            name: optuna.distributions.json_to_distribution(v if isinstance(v, str) else json.dumps(v))
-            for name, v in self.search_space.items()
-        }
 
 
 class BestTrial(BaseModel):
