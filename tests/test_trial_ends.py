@@ -126,12 +126,11 @@ def test_pruned_members_free_slots_that_waiting_trials_take(service: tuple[Clien
             assert t["state"] == "PRUNED" and steps == [0]
         else:  # late joiners count their own epochs from 0, like everyone else
             assert t["state"] == "COMPLETE" and steps == list(range(20))
-    # Eight trials, at most four at a time (max_array_size=4): refilled arrays held more
-    # members over their life than at any moment, and fewer arrays were started than packing
-    # alone would need.
+    # Eight trials, at most four at a time (max_array_size=4): the first array took the slots
+    # of its pruned members, so it held more than four over its life. (Whether the last
+    # waiting trials still join it or start a new array depends on timing.)
     assert sum(a["size"] for a in arrays) == 8
-    assert max(a["size"] for a in arrays) > 4
-    assert len(arrays) == 1
+    assert arrays[0]["size"] > 4
 
 
 def test_a_worker_killed_mid_array_fails_its_trials_and_is_replaced(service: tuple[Client, str, Path]) -> None:
