@@ -22,8 +22,8 @@ from scheduler import (
     Device,
     PendingTrial,
     Placement,
+    SpeedupCurve,
     ThroughputModel,
-    fit_curve,
     make_scheduler,
     pack,
     shape_signature,
@@ -341,28 +341,34 @@ class Coordinator:
                 trial.state, trial.error, trial.completed_at = TrialState.FAIL, array.error, utcnow()
 
     def _learn(self, signature: str, device_type: str, outcome: ArrayOutcome) -> None:
-        """Teach the scheduler's throughput model what the worker measured.
+        """Replace the prior curve of a class on a device type with what the worker's dry runs found.
 
-        The first array of a class on a device type brings the fusion engine's dry runs (a
-        whole speed-up curve); every array then brings its own measured models·steps/s.
+        The fusion engine's sizing decides whether fusing pays on this device at all (if not,
+        the marginal cost is 1 and the scheduler runs the class unfused), how many members
+        fit in memory, and the solo speed. How fast the array grows with B keeps the prior
+        marginal cost: on shared CPUs, per-B timings of millisecond steps are too noisy to
+        shrink arrays by (``docs/scheduling.md``).
         """
-        model = self.scheduler.throughput
-        if outcome.sizing is not None and (signature, device_type) not in self._sized:
-            sizing = outcome.sizing
-            if sizing["solo_steps_per_s"] > 0:
-                model.set_curve(
-                    signature,
-                    device_type,
-                    fit_curve(
-                        sizing["solo_steps_per_s"],
-                        {int(b): t for b, t in sizing["throughput"].items()},
-                        sizing["base_bytes"],
-                        sizing["member_bytes"],
-                    ),
-                )
-                self._sized.add((signature, device_type))
-        if outcome.models_steps_per_s and outcome.members and (signature, device_type) in self._sized:
-            model.observe(signature, device_type, outcome.members, outcome.models_steps_per_s)
+        if outcome.sizing is None or (signature, device_type) in self._sized:
+            return
+        sizing = outcome.sizing
+        if sizing["solo_steps_per_s"] <= 0:
+            return
+        self.scheduler.throughput.set_curve(
+            signature,
+            device_type,
+            SpeedupCurve(
+                sizing["solo_steps_per_s"],
+                self.settings.prior_marginal_cost if sizing["fusion_pays"] else 1.0,
+                sizing["base_bytes"],
+                sizing["member_bytes"],
+            ),
+        )
+        self._sized.add((signature, device_type))
+        log.info(
+            "class %s on %s: fusion %s (speed-ups by B %s)",
+            signature, device_type, "pays" if sizing["fusion_pays"] else "does not pay", sizing["speedup"],
+        )
 
     def _maybe_complete(self, session: Session, study: Study) -> None:
         counts = dict(

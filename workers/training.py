@@ -70,16 +70,24 @@ def size_on_device(
     """
     params = spec.members[0].params
     batch = workload.batch_size_for(params)
-    return fusion.sizing.size_array(
-        lambda: workload.build_model(params),
-        x[:batch],
-        y[:batch],
-        device=device,
-        loss_fn=workload.loss,
-        optimizer=workload.optimizer,
-        candidates=(1, 2, 4, 8, 16),
-        signature=spec.signature,
-    )
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # Time with one thread: millisecond steps timed on shared cores with several OpenMP
+        # threads measure mostly the threads' spinning against other processes.
+        torch.set_num_threads(1)
+    try:
+        return fusion.sizing.size_array(
+            lambda: workload.build_model(params),
+            x[:batch],
+            y[:batch],
+            device=device,
+            loss_fn=workload.loss,
+            optimizer=workload.optimizer,
+            candidates=(1, 2, 4, 8, 16),
+            signature=spec.signature,
+        )
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Inbox(Protocol):
