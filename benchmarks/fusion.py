@@ -20,7 +20,8 @@ Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm,poi
        [--members 1,2,4,8,16] [--paths serial,fused,func] [--steps 10]
        [--rounds 5] [--batch 64]
        python benchmarks/fusion.py --profile resnet:4 --steps 2   # where time goes
-       python benchmarks/fusion.py --sizing                       # what array sizing picks
+       python benchmarks/fusion.py --sizing                       # what array sizing picks, and
+                                                                  # the pick vs serial
 """
 
 from __future__ import annotations
@@ -195,18 +196,31 @@ def profile(name: str, b: int, batch: int, steps: int) -> None:
             print(f"  {e.key:<48}{e.self_cpu_time_total / steps / 1e3:>9.2f} ms{share:>7.1f}%{e.count // steps:>7} calls")
 
 
-def sizing_report(names: list[str], members: list[int], batch: int, steps: int, rounds: int) -> None:
-    """What ``fusion.sizing.size_array`` picks for each model on this machine."""
+def sizing_report(names: list[str], members: list[int], batch: int, steps: int, rounds: int,
+                  check_steps: int, check_rounds: int) -> None:
+    """What ``fusion.sizing.size_array`` picks per model, and how fast the pick runs.
+
+    The pick is then measured the way the table is (``measure``: serial vs fused,
+    pairwise-interleaved, best round) in the same process, as a worker that sized an
+    array goes on to train it. An unfused pick (B=1) runs the members as ordinary
+    models, i.e. at serial speed by definition.
+    """
     from fusion import sizing
 
-    print(f"{'model':<12}{'max B':>6}{'best B':>7}{'fusion pays':>12}   speedup vs unfused by B")
+    print(f"{'model':<12}{'max B':>6}{'best B':>7}{'fusion pays':>12}{'pick x serial':>15}   speedup vs unfused by B")
     for name in names:
         work = WORKLOADS[name]
         torch.manual_seed(0)
         x, y = work.make_batch(batch)
         res = sizing.size_array(work.factory, x, y, candidates=members, steps=steps, rounds=rounds, cache=False)
         curve = "  ".join(f"{b}:{res.speedup[b]:.2f}x" for b in sorted(res.speedup))
-        print(f"{name:<12}{res.max_members:>6}{res.best_members:>7}{str(res.fusion_pays):>12}   {curve}", flush=True)
+        if res.fusion_pays:
+            ratio = measure(name, res.best_members, batch, check_steps, check_rounds, ["serial", "fused"])["fused"][1]
+            pick = f"{ratio:.2f}x"
+        else:
+            pick = "1.00x (unf.)"
+        print(f"{name:<12}{res.max_members:>6}{res.best_members:>7}{str(res.fusion_pays):>12}{pick:>15}   {curve}",
+              flush=True)
 
 
 def main() -> None:
@@ -218,18 +232,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--glibc-malloc-defaults", action="store_true",
+                        help="leave glibc's malloc as it is instead of fusion.reuse_cpu_memory(), "
+                             "which the CPU workers call")
     parser.add_argument("--profile", default="", metavar="MODEL:B",
                         help="print a per-operator profile of serial vs fused instead of the table")
     parser.add_argument("--sizing", action="store_true",
-                        help="print what fusion.sizing picks per model instead of the table")
+                        help="print what fusion.sizing picks per model, and the pick's speed against "
+                             "serial (--steps x --rounds), instead of the table")
+    parser.add_argument("--sizing-steps", type=int, default=2, help="size_array's steps (its default)")
+    parser.add_argument("--sizing-rounds", type=int, default=5, help="size_array's rounds (its default)")
     args = parser.parse_args()
     # vmap's fallback for CPU flash attention warns on every call; the table says "func" is slow there.
     warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
     if args.threads:
         torch.set_num_threads(args.threads)
+    malloc = "glibc defaults" if args.glibc_malloc_defaults or not fusion.reuse_cpu_memory() else "reuse_cpu_memory"
     if args.sizing:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, malloc: {malloc}; "
+              f"pick x serial: {args.steps} steps x {args.rounds} interleaved rounds (best round)")
         sizing_report(args.models.split(","), [int(v) for v in args.members.split(",")], args.batch,
-                      args.steps, args.rounds)
+                      args.sizing_steps, args.sizing_rounds, args.steps, args.rounds)
         return
     if args.profile:
         name, b = args.profile.split(":")
@@ -237,7 +260,7 @@ def main() -> None:
         return
     paths = args.paths.split(",")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, "
-          f"{args.steps} steps x {args.rounds} interleaved rounds (best round)")
+          f"{args.steps} steps x {args.rounds} interleaved rounds (best round), malloc: {malloc}")
     header = f"{'model':<12}{'B':>3}" + "".join(f"{p + ' m·s/s':>16}{'x serial':>10}" for p in paths)
     print(header)
     print("-" * len(header))

@@ -1,8 +1,11 @@
-"""Array sizing: structure, memory cap and caching (never speed)."""
+"""Array sizing: structure, memory cap, caching and the decision rule (never speed)."""
 
 from __future__ import annotations
 
 import json
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -63,3 +66,28 @@ def test_marginal_cost_fit():
     res = sizing.SizingResult(**common, speedup=speedup, best_members=8, fusion_pays=True)
     assert abs(res.marginal_cost() - 0.25) < 1e-12
     assert sizing.SizingResult(**common).marginal_cost() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("speedup", "expected"),
+    [
+        ({1: 1.00, 2: 1.30, 4: 1.60}, (4, True)),  # the fastest fused size
+        ({1: 0.95, 2: 1.06}, (2, True)),  # B = 1 below 1.0 (wrapper overhead) does not lower the bar
+        ({1: 1.00, 2: 1.04}, (1, False)),  # under min_gain: run unfused
+        ({1: 1.10, 2: 1.12, 4: 1.08}, (1, False)),  # within the bias B = 1 measured: not a gain
+        ({1: 1.10, 2: 1.20}, (2, True)),  # 1.20 >= 1.05 * 1.10
+        ({2: 1.20, 4: 1.10}, (2, True)),  # no B = 1 measured: the bar is min_gain
+        ({1: 0.90}, (1, False)),  # nothing fused was measured
+    ],
+)
+def test_choose_members_needs_a_gain_beyond_the_measurement_bias(speedup, expected):
+    assert sizing.choose_members(speedup, min_gain=1.05) == expected
+
+
+def test_reuse_cpu_memory_takes_effect_under_glibc():
+    # A subprocess: the setting is process-wide and must not leak into the test session.
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("reuse_cpu_memory tunes glibc's malloc; this libc is not glibc")
+    out = subprocess.run([sys.executable, "-c", "import fusion; print(fusion.reuse_cpu_memory())"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
