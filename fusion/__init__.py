@@ -11,6 +11,7 @@ Typical use::
 """
 
 from . import amp, lr_scheduler, optim, sizing
+from ._allocator import reuse_cpu_memory
 from ._errors import FusionError, FusionWarning
 from ._functional import broadcast, clip_grad_norm_, per_member_loss
 from ._model import FusedModel, fuse, fuse_from_state_dicts, fuse_seeded
@@ -28,5 +29,6 @@ __all__ = [
     "lr_scheduler",
     "optim",
     "per_member_loss",
+    "reuse_cpu_memory",
     "sizing",
 ]

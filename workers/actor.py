@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+import fusion
 from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
 from workers.training import train_array
 
@@ -26,6 +27,9 @@ class ArrayWorker:
             # Ray pins OMP threads to the actor's CPUs; torch must agree or it oversubscribes,
             # and never more threads than the node has cores (Ray's CPUs may be logical).
             torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
+            # Fused activations are B times larger: keep freed memory for the next step
+            # instead of page-faulting it back in (before the first dry run or array).
+            fusion.reuse_cpu_memory()
         self.device = self._device(device_type)
         self._lock = threading.Lock()
         self._offers: dict[int, list[MemberSpec]] = {}
