@@ -138,13 +138,18 @@ PATHS = {"serial": serial_step, "fused": fused_step, "func": func_step}
 # ----------------------------------------------------------------------------- driver
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure(name: str, b: int, batch: int, steps: int, rounds: int,
-            paths: list[str]) -> dict[str, tuple[float | None, float | None]]:
+            paths: list[str], device: torch.device = torch.device("cpu")) -> dict[str, tuple[float | None, float | None]]:
     """Per path: (models·steps/s, ratio to serial), from the best of interleaved rounds."""
     work = WORKLOADS[name]
     torch.manual_seed(0)
-    x, y = work.make_batch(batch)
-    models = [work.factory() for _ in range(b)]
+    x, y = (t.to(device) for t in work.make_batch(batch))
+    models = [work.factory().to(device) for _ in range(b)]
     runners: dict[str, Step | None] = {}
     for p in paths:
         runners[p] = PATHS[p]([copy.deepcopy(m) for m in models], x, y)
@@ -157,9 +162,11 @@ def measure(name: str, b: int, batch: int, steps: int, rounds: int,
             run = runners[p]
             if run is None:
                 continue
+            _sync(device)
             start = time.perf_counter()
             for _ in range(steps):
                 run()
+            _sync(device)
             times[p].append(time.perf_counter() - start)
     out: dict[str, tuple[float | None, float | None]] = {}
     for p, t in times.items():
@@ -197,7 +204,7 @@ def profile(name: str, b: int, batch: int, steps: int) -> None:
 
 
 def sizing_report(names: list[str], members: list[int], batch: int, steps: int, rounds: int,
-                  check_steps: int, check_rounds: int) -> None:
+                  check_steps: int, check_rounds: int, device: torch.device) -> None:
     """What ``fusion.sizing.size_array`` picks per model, and how fast the pick runs.
 
     The pick is then measured the way the table is (``measure``: serial vs fused,
@@ -212,15 +219,23 @@ def sizing_report(names: list[str], members: list[int], batch: int, steps: int, 
         work = WORKLOADS[name]
         torch.manual_seed(0)
         x, y = work.make_batch(batch)
-        res = sizing.size_array(work.factory, x, y, candidates=members, steps=steps, rounds=rounds, cache=False)
+        res = sizing.size_array(work.factory, x, y, device=device, candidates=members, steps=steps, rounds=rounds,
+                                cache=False)
         curve = "  ".join(f"{b}:{res.speedup[b]:.2f}x" for b in sorted(res.speedup))
         if res.fusion_pays:
-            ratio = measure(name, res.best_members, batch, check_steps, check_rounds, ["serial", "fused"])["fused"][1]
+            ratio = measure(name, res.best_members, batch, check_steps, check_rounds, ["serial", "fused"],
+                            device)["fused"][1]
             pick = f"{ratio:.2f}x"
         else:
             pick = "1.00x (unf.)"
         print(f"{name:<12}{res.max_members:>6}{res.best_members:>7}{str(res.fusion_pays):>12}{pick:>15}   {curve}",
               flush=True)
+
+
+def where(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {torch.get_num_threads()} threads"
 
 
 def main() -> None:
@@ -232,6 +247,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--device", default="cpu", help="torch device to train on (cpu, cuda, cuda:1, ...)")
     parser.add_argument("--glibc-malloc-defaults", action="store_true",
                         help="leave glibc's malloc as it is instead of fusion.reuse_cpu_memory(), "
                              "which the CPU workers call")
@@ -247,26 +263,27 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     malloc = "glibc defaults" if args.glibc_malloc_defaults or not fusion.reuse_cpu_memory() else "reuse_cpu_memory"
     if args.sizing:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, malloc: {malloc}; "
+        print(f"torch {torch.__version__}, {where(device)}, batch {args.batch}, malloc: {malloc}; "
               f"pick x serial: {args.steps} steps x {args.rounds} interleaved rounds (best round)")
         sizing_report(args.models.split(","), [int(v) for v in args.members.split(",")], args.batch,
-                      args.sizing_steps, args.sizing_rounds, args.steps, args.rounds)
+                      args.sizing_steps, args.sizing_rounds, args.steps, args.rounds, device)
         return
     if args.profile:
         name, b = args.profile.split(":")
         profile(name, int(b), args.batch, args.steps)
         return
     paths = args.paths.split(",")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, "
+    print(f"torch {torch.__version__}, {where(device)}, batch {args.batch}, "
           f"{args.steps} steps x {args.rounds} interleaved rounds (best round), malloc: {malloc}")
     header = f"{'model':<12}{'B':>3}" + "".join(f"{p + ' m·s/s':>16}{'x serial':>10}" for p in paths)
     print(header)
     print("-" * len(header))
     for name in args.models.split(","):
         for b in (int(v) for v in args.members.split(",")):
-            res = measure(name, b, args.batch, args.steps, args.rounds, paths)
+            res = measure(name, b, args.batch, args.steps, args.rounds, paths, device)
             row = f"{name:<12}{b:>3}"
             for p in paths:
                 v, r = res[p]
