@@ -142,19 +142,31 @@ class ThroughputModel:
         """Aggregate models·steps/s of a ``members``-array of ``signature`` on the type."""
         return self.curve(signature, device_type).rate(members)
 
-    def observe(self, signature: str, device_type: str, members: int, models_steps_per_s: float) -> None:
+    def observe(
+        self,
+        signature: str,
+        device_type: str,
+        members: int,
+        models_steps_per_s: float,
+        *,
+        learn_marginal_cost: bool = True,
+    ) -> None:
         """Fold in a worker's measurement of an array's aggregate throughput.
 
         B = 1 updates the solo speed; B > 1 updates the marginal cost implied by the
-        measurement and the current solo speed (solving T(B) = T for c).
+        measurement and the current solo speed (solving T(B) = T for c). With
+        ``learn_marginal_cost=False`` a B > 1 measurement updates the solo speed instead,
+        keeping ``c`` (solving T(B) = T for T1): array sizes then stay what the dry runs
+        decided, while how fast each device type runs the class is learned online.
         """
         if members < 1 or not math.isfinite(models_steps_per_s) or models_steps_per_s <= 0:
             raise ValueError(f"invalid measurement: members={members}, throughput={models_steps_per_s}")
         cur = self.curve(signature, device_type)
         s = self._smoothing
         known = (signature, device_type) in self._curves
-        if members == 1:
-            solo = models_steps_per_s if not known else (1 - s) * cur.solo_steps_per_s + s * models_steps_per_s
+        if members == 1 or not learn_marginal_cost:
+            measured = models_steps_per_s * cur.solo_steps_per_s / cur.rate(members)  # T1 given c
+            solo = measured if not known else (1 - s) * cur.solo_steps_per_s + s * measured
             self._curves[(signature, device_type)] = SpeedupCurve(solo, cur.marginal_cost, cur.base_bytes, cur.member_bytes)
             return
         implied = (members * cur.solo_steps_per_s / models_steps_per_s - 1.0) / (members - 1)

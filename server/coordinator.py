@@ -341,17 +341,26 @@ class Coordinator:
                 trial.state, trial.error, trial.completed_at = TrialState.FAIL, array.error, utcnow()
 
     def _learn(self, signature: str, device_type: str, outcome: ArrayOutcome) -> None:
-        """Replace the prior curve of a class on a device type with what the worker's dry runs found.
+        """Learn a class's curve on a device type from what its worker measured.
 
-        The fusion engine's sizing decides whether fusing pays on this device at all (if not,
-        the marginal cost is 1 and the scheduler runs the class unfused), how many members
-        fit in memory, and the solo speed. How fast the array grows with B keeps the prior
-        marginal cost: on shared CPUs, per-B timings of millisecond steps are too noisy to
-        shrink arrays by (``docs/scheduling.md``).
+        The first array's dry runs replace the prior: the fusion engine's sizing decides
+        whether fusing pays on this device at all (if not, the marginal cost is 1 and the
+        scheduler runs the class unfused), how many members fit in memory, and the solo
+        speed. How fast the array grows with B keeps the prior marginal cost: on shared CPUs,
+        per-B timings of millisecond steps are too noisy to shrink arrays by
+        (``docs/scheduling.md``). Every finished array's measured models·steps/s then
+        updates the class's speed on the device type (an exponential average), which is what
+        placement across device types decides with; it leaves the array size alone.
         """
-        if outcome.sizing is None or (signature, device_type) in self._sized:
-            return
-        sizing = outcome.sizing
+        if outcome.sizing is not None and (signature, device_type) not in self._sized:
+            self._seed(signature, device_type, outcome.sizing)
+        if outcome.models_steps_per_s and outcome.members >= 1 and (signature, device_type) in self._sized:
+            self.scheduler.throughput.observe(
+                signature, device_type, outcome.members, outcome.models_steps_per_s, learn_marginal_cost=False
+            )
+
+    def _seed(self, signature: str, device_type: str, sizing: dict[str, Any]) -> None:
+        """Replace the class's prior curve on the device type with the dry runs' verdict."""
         if sizing["solo_steps_per_s"] <= 0:
             return
         self.scheduler.throughput.set_curve(

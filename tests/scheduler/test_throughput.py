@@ -29,6 +29,17 @@ def test_observe_learns_solo_then_marginal_cost() -> None:
     assert model.rate("s", "v100", 9) == pytest.approx(50.0)
 
 
+def test_observe_without_learning_c_rescales_the_solo_speed() -> None:
+    # The dry runs set c = 0.1 and T1 = 10; an array of 9 then measures 25 models·steps/s:
+    # half of what the curve predicts, so the device runs this class at T1 = 5, same c.
+    model = ThroughputModel(smoothing=1.0)
+    model.set_curve("s", "cpu", SpeedupCurve(10.0, 0.1, base_bytes=7, member_bytes=3))
+    sized = model.array_size("s", "cpu", 1_000, 16, 0.3)
+    model.observe("s", "cpu", 9, 25.0, learn_marginal_cost=False)
+    assert model.curve("s", "cpu") == SpeedupCurve(pytest.approx(5.0), 0.1, 7, 3)
+    assert model.array_size("s", "cpu", 1_000, 16, 0.3) == sized == 16  # B is the dry runs' call
+
+
 def test_observe_smooths_and_rejects_garbage() -> None:
     model = ThroughputModel(smoothing=0.5)
     model.observe("s", "k80", 1, 4.0)
