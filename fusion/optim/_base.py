@@ -238,6 +238,57 @@ class FusedOptimizer(Optimizer):
         self._hp_cache.clear()
         self.__dict__.pop("_view_cache", None)
 
+    # ------------------------------------------------------------------ one member's state
+    def member_state_dict(self, b: int) -> dict[str, Any]:
+        """Member ``b``'s hyper-parameters and optimizer state, for a checkpoint.
+
+        ``{"hparams": [per param group {name: value}], "state": [per parameter, in
+        param-group order, {key: tensor}]}``; tensors are detached copies. With
+        :meth:`load_member_state_dict` it lets a member leave one array and continue in
+        another exactly where it was (moments, step counts, momentum buffers).
+        """
+        if not 0 <= b < self.num_members:
+            raise IndexError(f"member index {b} out of range for {self.num_members} members")
+        hparams = [{key: group[key][b] for key in self._per_member_keys(group)} for group in self.param_groups]
+        state = [
+            {k: v[b].detach().clone() for k, v in self.state.get(p, {}).items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+            for group in self.param_groups
+            for p in group["params"]
+        ]
+        return {"hparams": hparams, "state": state}
+
+    def load_member_state_dict(self, b: int, member_state: dict[str, Any]) -> None:
+        """Make member ``b`` continue from :meth:`member_state_dict`'s ``member_state``.
+
+        Overwrites member ``b``'s hyper-parameters and its slice of every state tensor;
+        state the other members do not have yet (created lazily at their first step) is
+        created for all, at its initial value for them.
+        """
+        if not 0 <= b < self.num_members:
+            raise IndexError(f"member index {b} out of range for {self.num_members} members")
+        params = [p for group in self.param_groups for p in group["params"]]
+        if len(member_state["state"]) != len(params) or len(member_state["hparams"]) != len(self.param_groups):
+            raise FusionError(
+                f"member state has {len(member_state['hparams'])} param groups and {len(member_state['state'])} "
+                f"parameters; this optimizer has {len(self.param_groups)} and {len(params)}"
+            )
+        for group, values in zip(self.param_groups, member_state["hparams"]):
+            for key, value in values.items():
+                if key not in group:
+                    raise FusionError(f"unknown per-member hyper-parameter {key!r} in member state")
+                group[key] = list(group[key])
+                group[key][b] = tuple(value) if key in self.pair_hparams else value
+            self._validate_group(group)
+        for p, saved in zip(params, member_state["state"]):
+            state = self.state[p]
+            for k, v in saved.items():
+                current = state.get(k)
+                if current is None:  # lazily created state starts at zero for every optimizer here
+                    current = state[k] = torch.zeros((self.num_members, *v.shape), dtype=v.dtype, device=p.device)
+                current[b].copy_(v.to(current.device, current.dtype))
+        self._hp_cache.clear()
+        self.__dict__.pop("_view_cache", None)
+
     def add_membership_listener(self, method: Any) -> None:
         """Call bound ``method(keep)`` after :meth:`remove_members` (held weakly)."""
         self.__dict__.setdefault("_membership_listeners", []).append(weakref.WeakMethod(method))

@@ -151,3 +151,59 @@ def test_fuse_seeded_members_match_seeded_construction():
         got = fused.member_state_dict(b)
         assert all(torch.equal(got[k], v) for k, v in ref.items())
     assert not torch.equal(fused.member_state_dict(0)["0.weight"], fused.member_state_dict(1)["0.weight"])
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps, b: fusion.optim.SGD(ps, lr=[0.1, 0.05, 0.02][:b], momentum=[0.9, 0.5, 0.0][:b], dampening=0.1),
+    "sgd-nesterov": lambda ps, b: fusion.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adam": lambda ps, b: fusion.optim.Adam(ps, lr=[1e-2, 3e-3, 2e-2][:b], amsgrad=True),
+    "adamw": lambda ps, b: fusion.optim.AdamW(ps, lr=1e-2, weight_decay=[0.0, 0.01, 0.1][:b]),
+    "rmsprop": lambda ps, b: fusion.optim.RMSprop(ps, lr=1e-2, momentum=[0.0, 0.9, 0.5][:b], centered=True),
+    "adagrad": lambda ps, b: fusion.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=[0.0, 0.1, 0.2][:b]),
+    "adadelta": lambda ps, b: fusion.optim.Adadelta(ps, lr=[1.0, 0.5, 0.1][:b]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_member_continues_in_another_array_from_its_exported_state(name):
+    """Checkpoint member 1 (weights + optimizer state), resume it as member 0 of a new array
+    beside a fresh member: it trains on exactly as it would have in the old array."""
+    make_opt = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    old = fusion.fuse([cnn().to(D) for _ in range(3)])
+    old_opt = make_opt(old.parameters(), 3)
+
+    def step(fused, opt, x, y):
+        opt.zero_grad()
+        fusion.per_member_loss(F.cross_entropy, fused(x), y).sum().backward()
+        opt.step()
+
+    batches = [(torch.randn(3, 4, 1, 4, 4, dtype=D), torch.randint(0, 5, (3, 4))) for _ in range(6)]
+    for x, y in batches[:3]:
+        step(old, old_opt, x, y)
+    weights, opt_state = old.member_state_dict(1), old_opt.member_state_dict(1)
+
+    new = fusion.fuse_from_state_dicts(lambda: cnn().to(D), [weights, cnn().to(D).state_dict()])
+    new_opt = make_opt(new.parameters(), 2)  # member 0's hyper-parameters come from the checkpoint
+    new_opt.load_member_state_dict(0, opt_state)
+    for x, y in batches[3:]:
+        step(old, old_opt, x, y)
+        step(new, new_opt, torch.stack([x[1], torch.randn_like(x[1])]), torch.stack([y[1], y[0]]))
+    for k, v in old.member_state_dict(1).items():
+        assert_close(new.member_state_dict(0)[k], v, f"{name}: {k}", D)
+    resumed_state = new_opt.member_state_dict(0)
+    assert resumed_state["hparams"] == old_opt.member_state_dict(1)["hparams"]
+    for saved, expected in zip(resumed_state["state"], old_opt.member_state_dict(1)["state"]):
+        assert saved.keys() == expected.keys()
+        for k in expected:
+            assert_close(saved[k], expected[k], f"{name}: optimizer state {k}", D)
+
+
+def test_member_state_errors():
+    fused = fusion.fuse([cnn() for _ in range(2)])
+    opt = fusion.optim.Adam(fused.parameters(), lr=1e-3)
+    with pytest.raises(IndexError):
+        opt.member_state_dict(2)
+    other = fusion.optim.Adam(list(fused.parameters())[:1], lr=1e-3)
+    with pytest.raises(fusion.FusionError, match="parameters"):
+        other.load_member_state_dict(0, opt.member_state_dict(0))
