@@ -46,11 +46,14 @@ from server.db import (
 from server.optuna_specs import make_sampler
 from server.schemas import parse_search_space
 from server.settings import Settings
+from workers.checkpoints import checkpoint_path
 from workers.pool import WorkerHandle, WorkerPool
 from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
 from workers.workloads import Workload, get_workload
 
 log = logging.getLogger(__name__)
+
+_MAX_RESUMES = 3  # a trial whose workers keep dying fails instead of crashing workers forever
 
 
 def array_settings(workload: Workload, study: Study, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,6 +96,7 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._worker_ids: dict[str, int] = {}
         self._running: dict[str, Placement] = {}  # device -> the array the scheduler placed there
+        self._resumes: dict[int, int] = {}  # trial id -> times re-queued from a checkpoint
         self._sized: set[tuple[str, str]] = set()  # (class, device type) with a measured curve
         self.scheduler = make_scheduler(
             settings.scheduling_policy,
@@ -314,9 +318,20 @@ class Coordinator:
         # Optuna writes through its own connection: end its trials before opening our write
         # transaction, which on SQLite would hold the only write lock while Optuna waits.
         with self.sessions() as session:
-            orphaned = session.scalars(
-                select(Trial.optuna_trial_id).where(Trial.array_id == spec.array_id, Trial.state == TrialState.RUNNING)
+            running = session.execute(
+                select(Trial.id, Trial.optuna_trial_id, Trial.number)
+                .where(Trial.array_id == spec.array_id, Trial.state == TrialState.RUNNING)
             ).all()
+        # Members whose worker died mid-array: those checkpointed at an epoch boundary go back
+        # to the queue and resume there (at most _MAX_RESUMES times); the others fail.
+        resumed, orphaned = [], []
+        for trial_id, optuna_trial_id, number in running:
+            resumable = spec.artifact_dir is not None and checkpoint_path(spec.artifact_dir, spec.study_name, number).exists()
+            if resumable and self._resumes.get(trial_id, 0) < _MAX_RESUMES:
+                self._resumes[trial_id] = self._resumes.get(trial_id, 0) + 1
+                resumed.append(trial_id)
+            else:
+                orphaned.append(optuna_trial_id)
         for optuna_trial_id in orphaned:
             if self.storage.get_trial(optuna_trial_id).state == optuna.trial.TrialState.RUNNING:
                 self.storage.set_trial_state_values(optuna_trial_id, optuna.trial.TrialState.FAIL)
@@ -336,6 +351,11 @@ class Coordinator:
             for trial in never_joined:
                 trial.array_id = None
                 session.execute(delete(ArrayMember).where(ArrayMember.array_id == array.id, ArrayMember.trial_id == trial.id))
+            session.execute(
+                update(Trial).where(Trial.id.in_(resumed)).values(state=TrialState.WAITING, array_id=None, started_at=None)
+            )
+            if resumed:
+                log.info("array %d: %d trials resume from their checkpoints", spec.array_id, len(resumed))
             # Members the worker could not end itself (it died) fail with the array's error.
             for trial in session.scalars(select(Trial).where(Trial.optuna_trial_id.in_(orphaned))):
                 trial.state, trial.error, trial.completed_at = TrialState.FAIL, array.error, utcnow()

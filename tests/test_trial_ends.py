@@ -133,19 +133,29 @@ def test_pruned_members_free_slots_that_waiting_trials_take(service: tuple[Clien
     assert arrays[0]["size"] > 4
 
 
-def test_a_worker_killed_mid_array_fails_its_trials_and_is_replaced(service: tuple[Client, str, Path]) -> None:
+def kill_worker(url: str) -> str:
+    """SIGKILL the CPU worker's process; returns the node it ran on."""
+    with get_engine(url).connect() as conn:
+        node = conn.execute(sa.text("SELECT node FROM ft_workers WHERE name = 'fusetune-cpu-0'")).scalar_one()
+    os.kill(int(node.rsplit(":", 1)[1]), signal.SIGKILL)
+    return node
+
+
+def test_a_worker_killed_before_any_checkpoint_fails_its_trials_and_is_replaced(
+    service: tuple[Client, str, Path],
+) -> None:
     client, url, _ = service
+    # Batch size 1 makes one epoch take seconds (after seconds of sizing dry runs): the kill
+    # lands before the first epoch boundary, so no member has a checkpoint to resume from.
     study = client.create_study(
         "digits-mlp", n_trials=2, epochs=2000, name="crash",
-        search_space=space(lr=D.FloatDistribution(0.01, 0.1)),
+        search_space=space(lr=D.FloatDistribution(0.01, 0.1), batch_size=D.IntDistribution(1, 1)),
     )
     deadline = time.monotonic() + 60
     while not any(t["state"] == "RUNNING" for t in client.trials(study["id"])):
         assert time.monotonic() < deadline, "the array never started"
         time.sleep(0.1)
-    with get_engine(url).connect() as conn:
-        node = conn.execute(sa.text("SELECT node FROM ft_workers WHERE name = 'fusetune-cpu-0'")).scalar_one()
-    os.kill(int(node.rsplit(":", 1)[1]), signal.SIGKILL)
+    node = kill_worker(url)
 
     client.wait(study["id"], timeout=60)
     for t in client.trials(study["id"]):
@@ -160,3 +170,36 @@ def test_a_worker_killed_mid_array_fails_its_trials_and_is_replaced(service: tup
     assert client.wait(again["id"], timeout=120)["trial_counts"]["COMPLETE"] == 1
     with get_engine(url).connect() as conn:
         assert conn.execute(sa.text("SELECT node FROM ft_workers WHERE name = 'fusetune-cpu-0'")).scalar_one() != node
+
+
+def test_a_worker_killed_mid_array_resumes_its_trials_from_their_checkpoints(
+    service: tuple[Client, str, Path],
+) -> None:
+    client, url, artifacts = service
+    epochs = 40
+    study = client.create_study(
+        "digits-mlp", n_trials=2, epochs=epochs, name="resume",
+        search_space=space(lr=D.FloatDistribution(0.01, 0.1)),
+    )
+    deadline = time.monotonic() + 120
+    while not any(len(t["intermediate_values"]) >= 3 for t in client.trials(study["id"])):
+        assert time.monotonic() < deadline, "no trial reached its third epoch"
+        time.sleep(0.05)
+    assert list((artifacts / "resume" / "checkpoints").glob("trial-*.pt")), "no checkpoint at the epoch boundary"
+    kill_worker(url)
+
+    done = client.wait(study["id"], timeout=180)
+    assert done["trial_counts"]["COMPLETE"] == 2
+    for t in client.trials(study["id"]):
+        assert sorted(map(int, t["intermediate_values"])) == list(range(epochs))
+    arrays = client.arrays(study["id"])
+    assert arrays[0]["state"] == "FAIL" and "fusetune-cpu-0 failed" in arrays[0]["error"]
+    assert arrays[0]["epochs_done"] >= 2
+    # Resumed, not restarted: the arrays together ran each epoch once, plus at most the one
+    # epoch per crash that ended after its report and before its checkpoint.
+    assert sum(a["epochs_done"] for a in arrays) <= epochs + 1
+    assert {t.state for t in optuna.load_study(study_name="resume", storage=url).trials} == {
+        optuna.trial.TrialState.COMPLETE
+    }
+    # Finished members leave no checkpoint behind.
+    assert not list((artifacts / "resume" / "checkpoints").glob("trial-*.pt"))

@@ -14,6 +14,7 @@ from torch import nn
 
 import fusion
 import fusion.sizing
+from workers.checkpoints import checkpoint_path, load_checkpoint, remove_checkpoint, save_checkpoint
 from workers.reporting import Reporter
 from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
 from workers.workloads import Workload, get_workload
@@ -58,6 +59,32 @@ def save_member(fused: fusion.FusedModel, index: int, spec: ArraySpec, member: M
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.detach().cpu() for k, v in fused.member_state_dict(index).items()}, path)
     return str(path)
+
+
+def _checkpoint_of(spec: ArraySpec, member: MemberSpec) -> Path | None:
+    return checkpoint_path(spec.artifact_dir, spec.study_name, member.number) if spec.artifact_dir else None
+
+
+def resume_members(
+    spec: ArraySpec, members: Sequence[MemberSpec], models: Sequence[nn.Module]
+) -> tuple[list[int], list[dict[str, Any] | None]]:
+    """Load the checkpointed weights of the members that have a checkpoint into ``models``.
+
+    Returns each member's epochs done (0 when starting fresh) and its optimizer state to
+    load once the fused optimizer exists (None when fresh).
+    """
+    epochs, optimizer_states = [], []
+    for member, model in zip(members, models, strict=True):
+        path = _checkpoint_of(spec, member)
+        ckpt = load_checkpoint(path) if path is not None else None
+        if ckpt is None:
+            epochs.append(0)
+            optimizer_states.append(None)
+            continue
+        model.load_state_dict(ckpt["model"], strict=True)
+        epochs.append(int(ckpt["epochs_done"]))
+        optimizer_states.append(ckpt["optimizer"])
+    return epochs, optimizer_states
 
 
 def size_on_device(
@@ -105,8 +132,11 @@ def train_array(
     after their last epoch, when their pruner says so, or when their loss stops being finite;
     the rest keep training, and the ended ones leave the fused model. Newcomers waiting in
     ``inbox`` join at the epoch boundary with fresh weights and optimizer state, so members
-    of one array can be at different epochs. Any other error fails the whole array, with
-    the error recorded.
+    of one array can be at different epochs. With an ``artifact_dir``, every member that
+    trains on is checkpointed at each epoch boundary (``workers.checkpoints``), and a member
+    that has a checkpoint (its last worker died) resumes from it: weights, optimizer state
+    and epoch count (the data order of its later epochs differs). Any other error fails the
+    whole array, with the error recorded.
     """
     reporter = reporter or Reporter(spec)
     outcome = ArrayOutcome(array_id=spec.array_id)
@@ -119,8 +149,13 @@ def train_array(
         x, y = (t.to(device) for t in train.tensors)
         x_val, y_val = (t.to(device) for t in val.tensors)
         outcome.sizing = size_on_device(workload, spec, x, y, device).to_json()
-        fused = fusion.fuse(build_models(workload, members, spec.seed)).to(device)
+        models = build_models(workload, members, spec.seed)
+        epochs_done, optimizer_states = resume_members(spec, members, models)
+        fused = fusion.fuse(models).to(device)
         optimizer = make_optimizer(workload, fused, [m.params for m in members])
+        for b, state in enumerate(optimizer_states):
+            if state is not None:
+                optimizer.load_member_state_dict(b, state)
         batch_size = workload.batch_size_for(members[0].params)
         generator = torch.Generator().manual_seed(spec.seed)
         member_steps, steps, train_seconds = 0, 0, 0.0
@@ -171,6 +206,15 @@ def train_array(
                     outcome.pruned.append(members[b].trial_id)
                     ended.append(b)
 
+            for b in range(count):
+                path = _checkpoint_of(spec, members[b])
+                if path is None:
+                    continue
+                if b in ended:
+                    remove_checkpoint(path)
+                else:
+                    save_checkpoint(path, epochs_done[b], fused.member_state_dict(b), optimizer.member_state_dict(b))
+
             newcomers = inbox.take(spec.array_id) if inbox is not None else []
             if ended and len(ended) < count:
                 fused.remove_members(ended)
@@ -180,14 +224,18 @@ def train_array(
             if newcomers:
                 reporter.started(newcomers)
                 models = build_models(workload, newcomers, spec.seed)
+                new_epochs, new_states = resume_members(spec, newcomers, models)
                 if members:
                     fused.add_members(models)
                     optimizer.add_members(len(newcomers), **optimizer_kwargs(workload, [m.params for m in newcomers]))
                 else:  # every member ended at this boundary: the newcomers make a fresh array
                     fused = fusion.fuse(models).to(device)
                     optimizer = make_optimizer(workload, fused, [m.params for m in newcomers])
+                for k, state in enumerate(new_states):
+                    if state is not None:
+                        optimizer.load_member_state_dict(len(members) + k, state)
                 members += newcomers
-                epochs_done += [0] * len(newcomers)
+                epochs_done += new_epochs
 
         if train_seconds > 0:
             outcome.models_steps_per_s = member_steps / train_seconds
@@ -198,4 +246,7 @@ def train_array(
         for member in members:
             reporter.fail(member, detail)
             outcome.failed[member.trial_id] = outcome.error
+            path = _checkpoint_of(spec, member)
+            if path is not None:
+                remove_checkpoint(path)
     return outcome
