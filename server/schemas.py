@@ -88,7 +88,9 @@ class StudyCreate(BaseModel):
     direction: Literal["minimize", "maximize"] | None = Field(
         None, description="Defaults to the workload's metric direction."
     )
-    name: str | None = Field(None, min_length=1, max_length=255)
+    # The name is also a folder under the artifact directory (saved members, checkpoints).
+    name: str | None = Field(None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                             description="Letters, digits, '.', '_' and '-', starting with a letter or digit.")
     tenant: str = Field("default", min_length=1, max_length=255)
     search_space: dict[str, str | dict[str, Any]] | None = None
     sampler: SamplerSpec = Field(default_factory=lambda: SamplerSpec(name="TPESampler"))

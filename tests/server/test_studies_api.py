@@ -79,6 +79,8 @@ def test_search_space_accepts_distribution_objects(api: httpx.Client) -> None:
         ({"pruner": {"name": "NoSuchPruner"}}, ["body", "pruner", "name"]),
         ({"pruner": {"name": "MedianPruner", "kwargs": {"n_warmup_steps": -1}}}, ["body", "pruner", "kwargs"]),
         ({"unexpected": 1}, ["body", "unexpected"]),
+        ({"name": "../outside"}, ["body", "name"]),  # names a folder under the artifact directory
+        ({"name": "a/b"}, ["body", "name"]),
     ],
 )
 def test_bad_input_is_422_naming_the_field_and_writes_nothing(
