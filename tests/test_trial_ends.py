@@ -176,7 +176,7 @@ def test_a_worker_killed_mid_array_resumes_its_trials_from_their_checkpoints(
     service: tuple[Client, str, Path],
 ) -> None:
     client, url, artifacts = service
-    epochs = 40
+    epochs = 100
     study = client.create_study(
         "digits-mlp", n_trials=2, epochs=epochs, name="resume",
         search_space=space(lr=D.FloatDistribution(0.01, 0.1)),
