@@ -7,10 +7,11 @@ the database, Optuna and the worker pool.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -228,7 +229,8 @@ class Coordinator:
         returns the placements fair across tenants (by weight) and across device types. A
         placement on an idle device starts an array; waiting trials the scheduler adds to a
         running array's placement (slots its ended members freed) are offered to that array
-        and join it at its next epoch boundary. Running members are never preempted.
+        and join it at its next epoch boundary. Members the scheduler preempts (their lease ran
+        out and their class is over its share) leave at their array's next epoch boundary.
         """
         idle = {w.name: w for w in self.pool.idle()}
         rows = session.execute(
@@ -248,6 +250,11 @@ class Coordinator:
         devices = [Device(w.name, w.device_type, w.memory_bytes, w.node) for w in self.pool.workers]
         decision = self.scheduler.decide(time.monotonic(), pending, devices, weights, list(self._running.values()))
         busy = {w.name: w for w in self.pool.workers if not w.idle}
+        self._preempt(decision.preempted, busy, rows)
+        for placement in decision.placements:  # leases the scheduler extended
+            current = self._running.get(placement.device_id)
+            if placement.device_id in busy and current is not None and current.signature == placement.signature:
+                self._running[placement.device_id] = dataclasses.replace(current, lease_expires=placement.lease_expires)
         for placement in decision.placements:
             ids = [i for i in placement.trial_ids if i in waiting]
             if not ids:
@@ -275,6 +282,30 @@ class Coordinator:
                         placement.device_id, placement.signature, study.tenant,
                         tuple(present + [t.id for t in joining]), placement.lease_expires,
                     )
+
+    def _preempt(self, preempted: Sequence[int], busy: Mapping[str, WorkerHandle], rows: Sequence[Any]) -> None:
+        """Ask arrays to let go of the members the scheduler took off them.
+
+        Each leaves at its array's next epoch boundary with a checkpoint, waiting again, and
+        resumes in whichever array the scheduler gives it next (workers/checkpoints.py).
+        """
+        if not preempted:
+            return
+        worker_of = {w.spec.array_id: w for w in busy.values() if w.spec is not None}
+        array_of = {t.id: t.array_id for t, _ in rows if t.state == TrialState.RUNNING}
+        asks: dict[str, list[int]] = {}
+        for trial_id in preempted:
+            worker = worker_of.get(array_of.get(trial_id))
+            if worker is not None:
+                asks.setdefault(worker.name, []).append(trial_id)
+        for name, ids in asks.items():
+            self.pool.release(busy[name], ids)
+            current = self._running.get(name)
+            if current is not None:  # from now on the scheduler counts them as waiting
+                self._running[name] = dataclasses.replace(
+                    current, trial_ids=tuple(i for i in current.trial_ids if i not in ids)
+                )
+            log.info("worker %s: %d members leave at the next epoch boundary (preempted)", name, len(ids))
 
     def _refill(self, session: Session, worker: WorkerHandle, array_id: int, trials: list[Trial]) -> None:
         """Offer waiting trials to a running array: they join it at its next epoch boundary."""

@@ -73,3 +73,70 @@ def test_devices_are_shared_by_weight(ray_cluster: str, tmp_path: Path) -> None:
             assert curve.member_bytes > 0
     finally:
         pool.shutdown()
+
+
+def test_a_tenant_arriving_later_preempts_at_an_epoch_boundary_and_the_preempted_resume(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    """One CPU worker, short leases: the early tenant's array gives way to the late tenant at
+    an epoch boundary (its members leave checkpointed), and resumes after without losing epochs."""
+    url = f"sqlite:///{tmp_path / 'fusetune.db'}"
+    settings = Settings(database_url=url, ray_address=ray_cluster, cpu_workers=1, max_array_size=4,
+                        artifact_dir=tmp_path, lease_s=0.5)
+    upgrade(url)
+    storage = get_optuna_storage(url)
+    sessions = get_sessionmaker(url)
+    epochs = 150
+    with sessions() as session:
+        service.create_study(session, url, StudyCreate(workload="digits-mlp", n_trials=2, epochs=epochs, tenant="early",
+                                                       name="early", search_space=ONE_SHAPE))
+    pool = WorkerPool(cpu_workers=1, name_prefix="preempt")
+    try:
+        coordinator = Coordinator(settings, pool)
+        coordinator.setup()
+
+        def reported(name: str) -> list[int]:
+            study = optuna.load_study(study_name=name, storage=storage)
+            return [len(t.intermediate_values) for t in study.get_trials(deepcopy=False)]
+
+        deadline = time.monotonic() + 120
+        while min(reported("early"), default=0) < 2:
+            assert time.monotonic() < deadline, "the early tenant's array never reached its second epoch"
+            coordinator.step()
+            time.sleep(0.05)
+        with sessions() as session:
+            service.create_study(session, url, StudyCreate(workload="digits-mlp", n_trials=1, epochs=3, tenant="late",
+                                                           name="late", search_space=ONE_SHAPE))
+
+        states: dict[str, str] = {}
+        while True:
+            assert time.monotonic() < deadline + 180, f"studies did not complete: {states}"
+            coordinator.step()
+            with sessions() as session:
+                states = {s.name: s.state.value for s in session.scalars(select(Study))}
+            if states["late"] == "COMPLETE":
+                break
+            time.sleep(0.05)
+        assert states["early"] == "RUNNING", "the late tenant waited for the early one to finish"
+        while states["early"] != "COMPLETE":
+            assert time.monotonic() < deadline + 300, "the preempted study never completed"
+            coordinator.step()
+            with sessions() as session:
+                states = {s.name: s.state.value for s in session.scalars(select(Study))}
+            time.sleep(0.05)
+
+        early = optuna.load_study(study_name="early", storage=storage).get_trials(deepcopy=False)
+        assert {t.state for t in early} == {optuna.trial.TrialState.COMPLETE}
+        with sessions() as session:
+            arrays = [a for a, s in session.execute(select(Array, Study).join(Study, Array.study_id == Study.id))
+                      if s.name == "early"]
+        assert len(arrays) >= 2, "the early tenant's members never left their first array"
+        moved = [t for t in early if t.user_attrs.get("resumed_at_epochs")]
+        assert moved, "no preempted member resumed from its checkpoint"
+        for t in early:
+            assert sorted(t.intermediate_values) == list(range(epochs))
+            # Resumed where it left, never restarted from epoch 0.
+            assert all(0 < e < epochs for e in t.user_attrs.get("resumed_at_epochs", []))
+        assert not list((tmp_path / "early" / "checkpoints").glob("*.pt"))
+    finally:
+        pool.shutdown()

@@ -192,6 +192,8 @@ def test_a_worker_killed_mid_array_resumes_its_trials_from_their_checkpoints(
     assert done["trial_counts"]["COMPLETE"] == 2
     for t in client.trials(study["id"]):
         assert sorted(map(int, t["intermediate_values"])) == list(range(epochs))
+    for t in optuna.load_study(study_name="resume", storage=url).trials:
+        assert len(t.user_attrs["resumed_at_epochs"]) == 1 and 2 <= t.user_attrs["resumed_at_epochs"][0] < epochs
     arrays = client.arrays(study["id"])
     assert arrays[0]["state"] == "FAIL" and "fusetune-cpu-0 failed" in arrays[0]["error"]
     assert arrays[0]["epochs_done"] >= 2

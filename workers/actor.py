@@ -33,6 +33,7 @@ class ArrayWorker:
         self.device = self._device(device_type)
         self._lock = threading.Lock()
         self._offers: dict[int, list[MemberSpec]] = {}
+        self._releases: dict[int, set[int]] = {}
 
     @staticmethod
     def _device(device_type: str) -> torch.device:
@@ -72,10 +73,25 @@ class ArrayWorker:
         with self._lock:
             return self._offers.pop(array_id, [])
 
+    def release(self, array_id: int, trial_ids: list[int]) -> None:
+        """Ask array ``array_id`` to let members ``trial_ids`` go at its next epoch boundary.
+
+        They leave checkpointed and waiting, to resume in whichever array the scheduler
+        gives them next (preemption). Runs on the actor's second thread.
+        """
+        with self._lock:
+            self._releases.setdefault(array_id, set()).update(trial_ids)
+
+    def released(self, array_id: int) -> set[int]:
+        """The members asked to leave ``array_id`` so far (the training loop's inbox)."""
+        with self._lock:
+            return self._releases.pop(array_id, set())
+
     def run(self, spec: ArraySpec) -> ArrayOutcome:
         outcome = train_array(spec, self.device, inbox=self)
         with self._lock:
             # Offers that arrived after the last epoch boundary were never trained: the
             # scheduling loop re-queues them when it records this outcome.
             self._offers.clear()
+            self._releases.clear()
         return outcome

@@ -103,6 +103,12 @@ class WorkerPool:
             raise RuntimeError(f"worker {worker.name} is not training an array")
         worker.actor.offer.remote(worker.spec.array_id, members)
 
+    def release(self, worker: WorkerHandle, trial_ids: list[int]) -> None:
+        """Ask the array ``worker`` is training to let ``trial_ids`` go at its next epoch boundary."""
+        if worker.spec is None:
+            raise RuntimeError(f"worker {worker.name} is not training an array")
+        worker.actor.release.remote(worker.spec.array_id, trial_ids)
+
     def poll(self, timeout: float = 0.0) -> list[tuple[WorkerHandle, ArraySpec, ArrayOutcome | BaseException]]:
         """Arrays that finished since the last poll, with their outcome or the error that ended them.
 

@@ -63,6 +63,25 @@ class Reporter:
         """Record where the member's trained weights are, as the Optuna user attr ``state_dict``."""
         self._trials[member.trial_id].set_user_attr("state_dict", path)
 
+    def resumed(self, member: MemberSpec, epochs_done: int) -> None:
+        """Record that the member resumed from its checkpoint after ``epochs_done`` epochs
+        (Optuna user attr ``resumed_at_epochs``: one entry per move or crash)."""
+        trial = self._trials[member.trial_id]
+        before = self.study._storage.get_trial(trial._trial_id).user_attrs.get("resumed_at_epochs", [])
+        trial.set_user_attr("resumed_at_epochs", [*before, epochs_done])
+
+    def released(self, member: MemberSpec) -> None:
+        """The member left its array checkpointed (preempted): it waits for its next array.
+
+        Its Optuna trial stays RUNNING; the array that takes it next resumes it.
+        """
+        with self.sessions.begin() as session:
+            session.execute(
+                update(Trial)
+                .where(Trial.id == member.trial_id)
+                .values(state=TrialState.WAITING, array_id=None, started_at=None)
+            )
+
     def complete(self, member: MemberSpec, value: float) -> None:
         self.study.tell(self._trials[member.trial_id], value)
         self._finish(member, TrialState.COMPLETE, value=value)

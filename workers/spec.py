@@ -40,6 +40,7 @@ class ArrayOutcome:
     completed: list[int] = field(default_factory=list)
     pruned: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
+    released: list[int] = field(default_factory=list)  # preempted: checkpointed and waiting again
     epochs_done: int = 0
     models_steps_per_s: float | None = None
     members: int = 0  # how many members trained (B)

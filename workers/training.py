@@ -122,6 +122,8 @@ class Inbox(Protocol):
 
     def take(self, array_id: int) -> list[MemberSpec]: ...
 
+    def released(self, array_id: int) -> set[int]: ...
+
 
 def train_array(
     spec: ArraySpec, device: torch.device, reporter: Reporter | None = None, inbox: Inbox | None = None
@@ -156,6 +158,7 @@ def train_array(
         for b, state in enumerate(optimizer_states):
             if state is not None:
                 optimizer.load_member_state_dict(b, state)
+                reporter.resumed(members[b], epochs_done[b])
         batch_size = workload.batch_size_for(members[0].params)
         generator = torch.Generator().manual_seed(spec.seed)
         member_steps, steps, train_seconds = 0, 0, 0.0
@@ -206,6 +209,9 @@ def train_array(
                     outcome.pruned.append(members[b].trial_id)
                     ended.append(b)
 
+            # Members the scheduler preempted leave with their checkpoint (only where there is one).
+            release = inbox.released(spec.array_id) if inbox is not None and spec.artifact_dir else set()
+            leaving = [b for b in range(count) if b not in ended and members[b].trial_id in release]
             for b in range(count):
                 path = _checkpoint_of(spec, members[b])
                 if path is None:
@@ -214,6 +220,10 @@ def train_array(
                     remove_checkpoint(path)
                 else:
                     save_checkpoint(path, epochs_done[b], fused.member_state_dict(b), optimizer.member_state_dict(b))
+            for b in leaving:
+                reporter.released(members[b])
+                outcome.released.append(members[b].trial_id)
+            ended += leaving
 
             newcomers = inbox.take(spec.array_id) if inbox is not None else []
             if ended and len(ended) < count:
@@ -234,6 +244,7 @@ def train_array(
                 for k, state in enumerate(new_states):
                     if state is not None:
                         optimizer.load_member_state_dict(len(members) + k, state)
+                        reporter.resumed(newcomers[k], new_epochs[k])
                 members += newcomers
                 epochs_done += new_epochs
 
