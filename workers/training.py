@@ -137,8 +137,9 @@ def train_array(
     of one array can be at different epochs. With an ``artifact_dir``, every member that
     trains on is checkpointed at each epoch boundary (``workers.checkpoints``), and a member
     that has a checkpoint (its last worker died) resumes from it: weights, optimizer state
-    and epoch count (the data order of its later epochs differs). Any other error fails the
-    whole array, with the error recorded.
+    and epoch count (the data order of its later epochs differs). Members the scheduler
+    preempts (``inbox.released``) leave at the next epoch boundary with their checkpoint,
+    waiting for another array. Any other error fails the whole array, with the error recorded.
     """
     reporter = reporter or Reporter(spec)
     outcome = ArrayOutcome(array_id=spec.array_id)
