@@ -6,7 +6,7 @@ Public surface (everything else lives in private modules):
 * :class:`PendingTrial`, :class:`ArrayPlan`, :func:`pack` -- balanced packing.
 * :class:`Device`, :class:`Tenant`, :class:`Placement`, :class:`Decision` -- round I/O.
 * :class:`ThroughputModel`, :class:`SpeedupCurve`, :func:`fit_curve` -- fused-array
-  speed: documented prior, dry-run seeds, online updates.
+  speed: documented prior, dry-run seeds, fits to measured arrays, online updates.
 * :class:`Scheduler`, :func:`make_scheduler`, ``POLICIES`` -- the per-round decision.
 * :class:`AllocationProblem`, :class:`Allocation`, :func:`solve_allocation` -- the LPs.
 """
@@ -15,7 +15,7 @@ from scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy,
 from scheduler._packing import ArrayPlan, PendingTrial, pack
 from scheduler._scheduler import POLICIES, PolicyName, Scheduler, make_scheduler
 from scheduler._signature import Signature, fusible_params, shape_signature
-from scheduler._throughput import SpeedupCurve, ThroughputModel, fit_curve
+from scheduler._throughput import SpeedupCurve, ThroughputModel, fit_curve, fit_points
 from scheduler._types import Decision, Device, Placement, Tenant
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "Tenant",
     "ThroughputModel",
     "fit_curve",
+    "fit_points",
     "fusible_params",
     "make_scheduler",
     "pack",

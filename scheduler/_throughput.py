@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["SpeedupCurve", "ThroughputModel", "DEFAULT_MARGINAL_COST", "fit_curve"]
+__all__ = ["SpeedupCurve", "ThroughputModel", "DEFAULT_MARGINAL_COST", "fit_curve", "fit_points"]
 
 DEFAULT_MARGINAL_COST = 0.5
 _MIN_MARGINAL_COST = 1e-3  # keeps T(B) finite; no fused kernel is literally free
@@ -100,6 +100,35 @@ def fit_curve(
     else:
         c = 0.5 * (implied[len(implied) // 2 - 1] + implied[len(implied) // 2])
     return SpeedupCurve(solo_steps_per_s, c, base_bytes, member_bytes)
+
+
+def fit_points(points: Mapping[int, float], prior_marginal_cost: float = DEFAULT_MARGINAL_COST) -> SpeedupCurve:
+    """Fit a curve to measured models·steps/s of real arrays, by array size B.
+
+    The curve is linear in B once inverted: ``B / T(B) = (1 − c) / T1 + (c / T1) · B``, so
+    with two or more sizes measured a least-squares line through ``(B, B / T(B))`` gives
+    both T1 and c. With one size only, c stays ``prior_marginal_cost`` and T1 follows from
+    the measurement. A fit that comes out unphysical (c outside (0, 1], from noise) keeps
+    the measured T1 of the smallest size and the prior c.
+
+    Raises:
+        ValueError: no point, or a point that is not a positive number.
+    """
+    if not points or any(b < 1 or not math.isfinite(t) or t <= 0 for b, t in points.items()):
+        raise ValueError(f"points must map B >= 1 to positive models·steps/s, got {dict(points)}")
+    sizes = sorted(points)
+    if len(sizes) >= 2:
+        xs = [float(b) for b in sizes]
+        ys = [b / points[b] for b in sizes]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+        intercept = mean_y - slope * mean_x
+        if slope > 0 and intercept >= 0:
+            solo = 1.0 / (intercept + slope)
+            return SpeedupCurve(solo, min(1.0, max(_MIN_MARGINAL_COST, slope * solo)))
+    b = sizes[0]
+    c = prior_marginal_cost
+    return SpeedupCurve(points[b] * (1.0 + c * (b - 1)) / b, c)
 
 
 class ThroughputModel:

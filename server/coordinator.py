@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from typing import Any
 
 import optuna
 import torch
+from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
@@ -23,8 +25,8 @@ from scheduler import (
     Device,
     PendingTrial,
     Placement,
-    SpeedupCurve,
     ThroughputModel,
+    fit_points,
     make_scheduler,
     pack,
     shape_signature,
@@ -37,6 +39,7 @@ from server.db import (
     Study,
     StudyState,
     Tenant,
+    Throughput,
     Trial,
     TrialState,
     Worker,
@@ -44,12 +47,13 @@ from server.db import (
     get_sessionmaker,
     utcnow,
 )
-from server.optuna_specs import make_sampler
+from server.mirror import StudyMirror
+from server.optuna_specs import make_pruner, make_sampler
 from server.schemas import parse_search_space
 from server.settings import Settings
 from workers.checkpoints import checkpoint_path
-from workers.pool import WorkerHandle, WorkerPool
-from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
+from workers.pool import Event, WorkerHandle, WorkerPool
+from workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
 from workers.workloads import Workload, get_workload
 
 log = logging.getLogger(__name__)
@@ -84,7 +88,13 @@ def _class_of(trial: Trial) -> str:
 
 
 class Coordinator:
-    """Drives every running study to completion on a :class:`~workers.pool.WorkerPool`."""
+    """Drives every running study to completion on a :class:`~workers.pool.WorkerPool`.
+
+    It is the control plane's one writer of trial results: workers send it one
+    :class:`~workers.spec.EpochReport` per array-epoch, and it writes each in one database
+    transaction (every member's intermediate value and end, fusetune's rows, the measured
+    throughput), decides pruning with the study's own pruner, and replies.
+    """
 
     def __init__(self, settings: Settings, pool: WorkerPool) -> None:
         self.settings = settings
@@ -92,58 +102,74 @@ class Coordinator:
         self.pool = pool
         self.sessions = get_sessionmaker(self.url)
         self.storage = get_optuna_storage(self.url)
-        self._optuna_studies: dict[int, optuna.Study] = {}
+        self._mirrors: dict[int, StudyMirror] = {}  # fusetune study id -> its Optuna study, in memory
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._worker_ids: dict[str, int] = {}
         self._running: dict[str, Placement] = {}  # device -> the array the scheduler placed there
         self._resumes: dict[int, int] = {}  # trial id -> times re-queued from a checkpoint
-        self._sized: set[tuple[str, str]] = set()  # (class, device type) with a measured curve
+        # Measured models·steps/s by (signature, device type) and B: ft_throughput, in memory.
+        self._points: dict[tuple[str, str], dict[int, float]] = {}
         self.scheduler = make_scheduler(
             settings.scheduling_policy,
             ThroughputModel(prior_marginal_cost=settings.prior_marginal_cost),
             max_members=settings.max_array_size,
+            min_member_efficiency=settings.min_member_efficiency,
             lease_seconds=settings.lease_s,
         )
         self._next_refresh = time.monotonic() + settings.device_refresh_s
 
     # -- lifecycle -----------------------------------------------------------------------------
     def setup(self) -> None:
-        """Register the pool's workers and re-queue what a previous process left running."""
+        """Register the pool's workers, load measured throughput, re-queue what a previous process left running."""
         self._register_workers()
+        self._load_throughput()
         self._recover()
 
     def start(self) -> None:
-        """:meth:`setup`, then run :meth:`step` every ``poll_interval_s`` in a background thread."""
+        """:meth:`setup`, then run the loop in a background thread: worker reports as they
+        come, a scheduling :meth:`step` every ``poll_interval_s`` or when woken."""
         self.setup()
         self._thread = threading.Thread(target=self._loop, name="fusetune-coordinator", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def wake(self) -> None:
+        """Run a scheduling step now (a study was created), not at the next poll."""
+        self._wake.set()
+
     def _loop(self) -> None:
+        next_step = 0.0
         while not self._stop.is_set():
             try:
-                self.step()
+                if self._wake.is_set() or time.monotonic() >= next_step:
+                    self._wake.clear()
+                    self.step()
+                    next_step = time.monotonic() + self.settings.poll_interval_s
+                timeout = max(0.0, next_step - time.monotonic())
+                if self.pool.idle() != self.pool.workers:
+                    if self._handle(self.pool.wait(timeout)):
+                        next_step = 0.0  # an array ended: its worker is free for the next one
+                else:
+                    self._wake.wait(timeout)
             except Exception:  # keep scheduling; the error is in the log and the next step retries
                 log.exception("scheduling step failed")
-            self._stop.wait(self.settings.poll_interval_s)
+                self._stop.wait(self.settings.poll_interval_s)
 
     def step(self) -> None:
-        """One round: record finished arrays, ask for new trials, start arrays on idle workers."""
+        """One round: take the workers' reports, ask for new trials, start arrays on idle workers."""
         if time.monotonic() >= self._next_refresh:
             # Accelerator nodes may join the Ray cluster after the service started.
             if self.pool.refresh():
                 self._register_workers()
             self._next_refresh = time.monotonic() + self.settings.device_refresh_s
-        finished = self.pool.poll()
-        for worker, spec, result in finished:
-            self._record(worker, spec, result)
-        if any(isinstance(result, BaseException) for _, _, result in finished):
-            self._register_workers()  # replacement actors run in new processes
+        self._handle(self.pool.wait(0))
         with self.sessions() as session:
             studies = session.scalars(
                 select(Study).where(Study.state == StudyState.RUNNING).order_by(Study.id)
@@ -153,6 +179,19 @@ class Coordinator:
             self._dispatch(session)
             for study in studies:
                 self._maybe_complete(session, study)
+
+    def _handle(self, events: Sequence[Event]) -> bool:
+        """Answer epoch reports and record ended arrays; returns whether an array ended."""
+        ended = False
+        for worker, spec, item in events:
+            if isinstance(item, EpochReport):
+                self.pool.reply(worker, self._record_epoch(worker, item))
+            else:
+                self._record(worker, spec, item)
+                ended = True
+                if isinstance(item, BaseException):
+                    self._register_workers()  # replacement actors run in new processes
+        return ended
 
     # -- workers -------------------------------------------------------------------------------
     def _register_workers(self) -> None:
@@ -184,42 +223,59 @@ class Coordinator:
             )
 
     # -- asking --------------------------------------------------------------------------------
-    def _optuna_study(self, study: Study) -> optuna.Study:
-        # One sampler instance per study and process: a seeded sampler rebuilt for every ask
-        # would repeat its first suggestion.
-        if study.id not in self._optuna_studies:
-            self._optuna_studies[study.id] = optuna.load_study(
-                study_name=study.name,
-                storage=self.storage,
-                sampler=make_sampler(study.sampler["name"], study.sampler.get("kwargs")),
+    def _mirror(self, study: Study) -> StudyMirror:
+        """The study's Optuna study in memory, loaded from the database once per process.
+
+        One sampler instance per study and process: a seeded sampler rebuilt for every ask
+        would repeat its first suggestion.
+        """
+        if study.id not in self._mirrors:
+            kwargs = dict(study.sampler.get("kwargs") or {})
+            sampler = make_sampler(study.sampler["name"], kwargs)
+            if isinstance(sampler, optuna.samplers.TPESampler) and "constant_liar" not in kwargs:
+                # Trials are asked in batches that fill arrays: the constant liar makes TPE
+                # count the running ones, so a batch spreads out instead of repeating itself.
+                sampler = make_sampler(study.sampler["name"], {**kwargs, "constant_liar": True})
+            pruner = (
+                make_pruner(study.pruner["name"], study.pruner.get("kwargs")) if study.pruner else optuna.pruners.NopPruner()
             )
-        return self._optuna_studies[study.id]
+            self._mirrors[study.id] = StudyMirror(self.storage, study.optuna_study_id, sampler, pruner)
+        return self._mirrors[study.id]
+
+    def _capacity(self) -> int:
+        """How many trials the devices can train at once: the most waiting trials worth asking for."""
+        return max(1, len(self.pool.workers)) * self.settings.max_array_size
 
     def _ask(self, session: Session, study: Study) -> None:
+        """Ask the study's sampler for enough trials to fill every device, in one transaction."""
         asked = session.scalar(select(func.count()).where(Trial.study_id == study.id))
         waiting = session.scalar(
             select(func.count()).where(Trial.study_id == study.id, Trial.state == TrialState.WAITING)
         )
-        wanted = min(study.n_trials - asked, self.settings.ask_batch - waiting)
+        wanted = min(study.n_trials - asked, (self.settings.ask_batch or self._capacity()) - waiting)
         if wanted <= 0:
             return
         workload = get_workload(study.workload)
-        optuna_study = self._optuna_study(study)
+        mirror = self._mirror(study)
         distributions = parse_search_space(study.search_space) if study.search_space else None
-        for _ in range(wanted):
-            trial = optuna_study.ask(fixed_distributions=distributions)
-            row = Trial(study_id=study.id, optuna_trial_id=trial._trial_id, number=trial.number, params={}, signature="")
-            try:
-                params = trial.params if distributions else workload.search_space(trial)
-                row.params = dict(params)
-                row.signature = trial_signature(workload, study, params)
-            except Exception as exc:  # the workload's own code rejected these params
-                # Straight to the storage: a sampler's after_trial hook may raise outside an
-                # objective (BruteForceSampler calls Study.stop), which would lose the FAIL.
-                self.storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
-                row.state, row.error, row.completed_at = TrialState.FAIL, f"{type(exc).__name__}: {exc}", utcnow()
-            session.add(row)
+        try:
+            for trial in mirror.ask(session, wanted, workload.search_space, distributions):
+                row = Trial(study_id=study.id, optuna_trial_id=trial.trial_id, number=trial.number, params=trial.params, signature="")
+                error = trial.error
+                if error is None:
+                    try:
+                        row.signature = trial_signature(workload, study, trial.params)
+                    except Exception as exc:  # the workload's model rejected these params
+                        error = f"{type(exc).__name__}: {exc}"
+                        mirror.tell(session, trial.trial_id, OptunaState.FAIL)
+                if error is not None:
+                    row.state, row.error, row.completed_at = TrialState.FAIL, error, utcnow()
+                session.add(row)
             session.commit()
+        except Exception:
+            session.rollback()
+            self._mirrors.pop(study.id, None)  # what it asked was not written: reload from the database
+            raise
 
     # -- dispatching ---------------------------------------------------------------------------
     def _dispatch(self, session: Session) -> None:
@@ -248,6 +304,7 @@ class Coordinator:
         ]
         weights = [SchedulerTenant(name, weight) for name, weight in session.execute(select(Tenant.name, Tenant.weight))]
         devices = [Device(w.name, w.device_type, w.memory_bytes, w.node) for w in self.pool.workers]
+        self._curve_classes({p.signature for p in pending}, {d.device_type for d in devices})
         decision = self.scheduler.decide(time.monotonic(), pending, devices, weights, list(self._running.values()))
         busy = {w.name: w for w in self.pool.workers if not w.idle}
         self._preempt(decision.preempted, busy, rows)
@@ -323,112 +380,161 @@ class Coordinator:
         array.members = [ArrayMember(slot=i, trial_id=t.id) for i, t in enumerate(trials)]
         session.add(array)
         session.flush()
+        now = utcnow()
         for t in trials:
-            t.array_id = array.id
+            t.array_id, t.state, t.started_at = array.id, TrialState.RUNNING, now
         session.commit()
         spec = ArraySpec(
             array_id=array.id,
             signature=_class_of(trials[0]),
-            database_url=self.url,
             study_name=study.name,
             workload=study.workload,
             epochs=study.epochs,
             members=tuple(MemberSpec(t.id, t.optuna_trial_id, t.number, dict(t.params)) for t in trials),
-            pruner=study.pruner,
             seed=array.id,
             artifact_dir=str(self.settings.artifact_dir.resolve()),
+            checkpoint_frequency=self.settings.checkpoint_frequency,
+            checkpoint_interval_s=self.settings.checkpoint_interval_s,
+            # The class's solo speed is the B = 1 point of its curve: measured once per
+            # signature and device type, by a short unfused probe in its first array.
+            probe_solo=len(trials) > 1 and 1 not in self._points.get((array.signature, worker.device_type), {}),
         )
         self.pool.submit(worker, spec)
         log.info("array %d: %d trials of study %s on %s", array.id, len(trials), study.name, worker.name)
 
     # -- recording -----------------------------------------------------------------------------
-    def _record(self, worker: WorkerHandle, spec: ArraySpec, result: ArrayOutcome | BaseException) -> None:
-        self._running.pop(worker.name, None)
-        if isinstance(result, ArrayOutcome):
-            self._learn(spec.signature, worker.device_type, result)
-        # Optuna writes through its own connection: end its trials before opening our write
-        # transaction, which on SQLite would hold the only write lock while Optuna waits.
-        with self.sessions() as session:
-            running = session.execute(
-                select(Trial.id, Trial.optuna_trial_id, Trial.number)
-                .where(Trial.array_id == spec.array_id, Trial.state == TrialState.RUNNING)
-            ).all()
-        # Members whose worker died mid-array: those checkpointed at an epoch boundary go back
-        # to the queue and resume there (at most _MAX_RESUMES times); the others fail.
-        resumed, orphaned = [], []
-        for trial_id, optuna_trial_id, number in running:
-            resumable = spec.artifact_dir is not None and checkpoint_path(spec.artifact_dir, spec.study_name, number).exists()
-            if resumable and self._resumes.get(trial_id, 0) < _MAX_RESUMES:
-                self._resumes[trial_id] = self._resumes.get(trial_id, 0) + 1
-                resumed.append(trial_id)
-            else:
-                orphaned.append(optuna_trial_id)
-        for optuna_trial_id in orphaned:
-            if self.storage.get_trial(optuna_trial_id).state == optuna.trial.TrialState.RUNNING:
-                self.storage.set_trial_state_values(optuna_trial_id, optuna.trial.TrialState.FAIL)
-        with self.sessions.begin() as session:
-            array = session.get(Array, spec.array_id)
-            if isinstance(result, ArrayOutcome):
-                array.state = ArrayState.FAIL if result.error else ArrayState.COMPLETE
-                array.error = result.error
-                array.models_steps_per_s = result.models_steps_per_s
-            else:
-                array.state, array.error = ArrayState.FAIL, f"worker {worker.name} failed: {result}"
-            array.completed_at = utcnow()
-            # Trials offered after the array's last epoch boundary never joined: re-queue them.
-            never_joined = session.scalars(
-                select(Trial).where(Trial.array_id == array.id, Trial.state == TrialState.WAITING)
-            ).all()
-            for trial in never_joined:
-                trial.array_id = None
-                session.execute(delete(ArrayMember).where(ArrayMember.array_id == array.id, ArrayMember.trial_id == trial.id))
-            session.execute(
-                update(Trial).where(Trial.id.in_(resumed)).values(state=TrialState.WAITING, array_id=None, started_at=None)
-            )
-            if resumed:
-                log.info("array %d: %d trials resume from their checkpoints", spec.array_id, len(resumed))
-            # Members the worker could not end itself (it died) fail with the array's error.
-            for trial in session.scalars(select(Trial).where(Trial.optuna_trial_id.in_(orphaned))):
-                trial.state, trial.error, trial.completed_at = TrialState.FAIL, array.error, utcnow()
+    def _record_epoch(self, worker: WorkerHandle, report: EpochReport) -> EpochReply:
+        """Write one array-epoch in one transaction; decide pruning; return the reply.
 
-    def _learn(self, signature: str, device_type: str, outcome: ArrayOutcome) -> None:
-        """Learn a class's curve on a device type from what its worker measured.
-
-        The first array's dry runs replace the prior: the fusion engine's sizing decides
-        whether fusing pays on this device at all (if not, the marginal cost is 1 and the
-        scheduler runs the class unfused), how many members fit in memory, and the solo
-        speed. How fast the array grows with B keeps the prior marginal cost: on shared CPUs,
-        per-B timings of millisecond steps are too noisy to shrink arrays by
-        (``docs/scheduling.md``). Every finished array's measured models·steps/s then
-        updates the class's speed on the device type (an exponential average), which is what
-        placement across device types decides with; it leaves the array size alone.
+        Every member's intermediate value goes to its Optuna trial (so Optuna's pruners,
+        ``optuna.load_study`` and optuna-dashboard see it); members that ended are told to
+        Optuna (``Study.tell``, the sampler's ``after_trial`` included) and fusetune's rows
+        follow. The study's pruner decides for the others, on the study as the control
+        plane holds it. The measured throughput updates the class's curve.
         """
-        if outcome.sizing is not None and (signature, device_type) not in self._sized:
-            self._seed(signature, device_type, outcome.sizing)
-        if outcome.models_steps_per_s and outcome.members >= 1 and (signature, device_type) in self._sized:
-            self.scheduler.throughput.observe(
-                signature, device_type, outcome.members, outcome.models_steps_per_s, learn_marginal_cost=False
-            )
+        with self.sessions() as session:
+            array = session.get(Array, report.array_id)
+            study = session.get(Study, array.study_id)
+            mirror = self._mirror(study)
+            prune: set[int] = set()
+            try:
+                ids = {m.trial_id for m in report.members} | {j.trial_id for j in report.joined} | set(report.released)
+                trials = {t.id: t for t in session.scalars(select(Trial).where(Trial.id.in_(ids)))}
+                now = utcnow()
+                for joined in report.joined:
+                    trial = trials[joined.trial_id]
+                    trial.state, trial.started_at = TrialState.RUNNING, trial.started_at or now
+                    if joined.resumed_at_epoch is not None:  # one entry per move or crash
+                        before = mirror.trial(trial.optuna_trial_id).user_attrs.get("resumed_at_epochs", [])
+                        mirror.set_user_attrs(session, trial.optuna_trial_id, {"resumed_at_epochs": [*before, joined.resumed_at_epoch]})
+                mirror.report(session, [(trials[m.trial_id].optuna_trial_id, m.step, m.value) for m in report.members])
+                for member in report.members:
+                    trial = trials[member.trial_id]
+                    if member.state == "COMPLETE":
+                        if member.state_dict is not None:  # where its trained weights are
+                            mirror.set_user_attrs(session, trial.optuna_trial_id, {"state_dict": member.state_dict})
+                        mirror.tell(session, trial.optuna_trial_id, OptunaState.COMPLETE, member.value)
+                        self._finish(trial, TrialState.COMPLETE, now, value=member.value)
+                    elif member.state == "FAIL":
+                        mirror.tell(session, trial.optuna_trial_id, OptunaState.FAIL)
+                        self._finish(trial, TrialState.FAIL, now, error=member.error)
+                    elif mirror.should_prune(session, trial.optuna_trial_id):
+                        mirror.tell(session, trial.optuna_trial_id, OptunaState.PRUNED)
+                        self._finish(trial, TrialState.PRUNED, now, value=member.value)
+                        prune.add(member.trial_id)
+                for trial_id in report.released:  # preempted: waits for its next array, Optuna keeps it RUNNING
+                    trials[trial_id].state, trials[trial_id].array_id, trials[trial_id].started_at = TrialState.WAITING, None, None
+                array.epochs_done += 1
+                array.timings = _add_timings(array.timings, report.timings)
+                self._observe(session, worker.spec.signature, worker.device_type, report)
+                session.commit()
+            except Exception:
+                session.rollback()
+                self._mirrors.pop(study.id, None)  # the mirror ran ahead of the database: reload it
+                raise
+        return EpochReply(prune=frozenset(prune))
 
-    def _seed(self, signature: str, device_type: str, sizing: dict[str, Any]) -> None:
-        """Replace the class's prior curve on the device type with the dry runs' verdict."""
-        if sizing["solo_steps_per_s"] <= 0:
+    @staticmethod
+    def _finish(trial: Trial, state: TrialState, now: Any, value: float | None = None, error: str | None = None) -> None:
+        trial.state, trial.completed_at, trial.error = state, now, error
+        trial.value = value if value is not None and math.isfinite(value) else None
+
+    def _load_throughput(self) -> None:
+        """The speeds measured by earlier arrays, also by an earlier process: no new dry runs."""
+        with self.sessions() as session:
+            for row in session.scalars(select(Throughput)):
+                self._points.setdefault((row.signature, row.device_type), {})[row.members] = row.models_steps_per_s
+
+    def _observe(self, session: Session, cls: str, device_type: str, report: EpochReport) -> None:
+        """Fold an array-epoch's measured speed into ft_throughput and the class's curve."""
+        signature = cls.split("@", 1)[0]
+        measured = []
+        if report.train_seconds > 0 and report.size > 0:
+            measured.append((report.size, report.member_steps / report.train_seconds))
+        if report.solo_steps_per_s:
+            measured.append((1, report.solo_steps_per_s))
+        if not measured:
             return
-        self.scheduler.throughput.set_curve(
-            signature,
-            device_type,
-            SpeedupCurve(
-                sizing["solo_steps_per_s"],
-                self.settings.prior_marginal_cost if sizing["fusion_pays"] else 1.0,
-                sizing["base_bytes"],
-                sizing["member_bytes"],
-            ),
-        )
-        self._sized.add((signature, device_type))
-        log.info(
-            "class %s on %s: fusion %s (speed-ups by B %s)",
-            signature, device_type, "pays" if sizing["fusion_pays"] else "does not pay", sizing["speedup"],
-        )
+        points = self._points.setdefault((signature, device_type), {})
+        smoothing = self.settings.throughput_smoothing
+        for members, rate in measured:
+            row = session.get(Throughput, (signature, device_type, members))
+            if row is None:
+                session.add(Throughput(signature=signature, device_type=device_type, members=members, models_steps_per_s=rate, samples=1))
+            else:
+                row.models_steps_per_s = (1 - smoothing) * row.models_steps_per_s + smoothing * rate
+                row.samples += 1
+                rate = row.models_steps_per_s
+            points[members] = rate
+        self.scheduler.throughput.set_curve(cls, device_type, fit_points(points, self.settings.prior_marginal_cost))
+
+    def _curve_classes(self, classes: set[str], device_types: set[str]) -> None:
+        """Give the scheduler each class's curve fitted to its signature's measured points."""
+        for cls in classes:
+            signature = cls.split("@", 1)[0]
+            for device_type in device_types:
+                points = self._points.get((signature, device_type))
+                if points:
+                    self.scheduler.throughput.set_curve(cls, device_type, fit_points(points, self.settings.prior_marginal_cost))
+
+    def _record(self, worker: WorkerHandle, spec: ArraySpec, result: ArrayOutcome | BaseException) -> None:
+        """An array ended: its outcome, or the error that ended it (its worker's death included)."""
+        self._running.pop(worker.name, None)
+        with self.sessions() as session:
+            array = session.get(Array, spec.array_id)
+            study = session.get(Study, array.study_id)
+            mirror = self._mirror(study)
+            try:
+                if isinstance(result, ArrayOutcome):
+                    array.state = ArrayState.FAIL if result.error else ArrayState.COMPLETE
+                    array.error = result.error
+                    array.models_steps_per_s = result.models_steps_per_s
+                    array.timings = result.timings or array.timings
+                else:
+                    array.state, array.error = ArrayState.FAIL, f"worker {worker.name} failed: {result}"
+                array.completed_at = now = utcnow()
+                # Trials offered after the array's last epoch boundary never joined: re-queue them.
+                for trial in session.scalars(select(Trial).where(Trial.array_id == array.id, Trial.state == TrialState.WAITING)):
+                    trial.array_id = None
+                    session.execute(delete(ArrayMember).where(ArrayMember.array_id == array.id, ArrayMember.trial_id == trial.id))
+                # Members still running when the array ended: those whose worker died resume
+                # from their checkpoint (at most _MAX_RESUMES times); the others fail with the error.
+                died = not isinstance(result, ArrayOutcome)
+                for trial in session.scalars(select(Trial).where(Trial.array_id == array.id, Trial.state == TrialState.RUNNING)):
+                    resumable = spec.artifact_dir is not None and checkpoint_path(spec.artifact_dir, spec.study_name, trial.number).exists()
+                    if died and resumable and self._resumes.get(trial.id, 0) < _MAX_RESUMES:
+                        self._resumes[trial.id] = self._resumes.get(trial.id, 0) + 1
+                        trial.state, trial.array_id, trial.started_at = TrialState.WAITING, None, None
+                        continue
+                    error = result.failed.get(trial.id, result.error) if isinstance(result, ArrayOutcome) else None
+                    mirror.tell(session, trial.optuna_trial_id, OptunaState.FAIL)
+                    self._finish(trial, TrialState.FAIL, now, error=error or array.error)
+                session.commit()
+            except Exception:
+                session.rollback()
+                self._mirrors.pop(study.id, None)
+                raise
+        log.info("array %d ended: %s", spec.array_id, array.state.value)
 
     def _maybe_complete(self, session: Session, study: Study) -> None:
         counts = dict(
@@ -440,4 +546,11 @@ class Coordinator:
         if sum(counts.values()) >= study.n_trials and finished == sum(counts.values()):
             study.state, study.completed_at = StudyState.COMPLETE, utcnow()
             session.commit()
-            self._optuna_studies.pop(study.id, None)
+            self._mirrors.pop(study.id, None)
+
+
+def _add_timings(total: Mapping[str, float] | None, more: Mapping[str, float]) -> dict[str, float]:
+    out = dict(total or {})
+    for phase, seconds in more.items():
+        out[phase] = out.get(phase, 0.0) + seconds
+    return out

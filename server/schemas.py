@@ -180,6 +180,9 @@ class ArrayOut(BaseModel):
     device_type: str | None
     epochs_done: int
     models_steps_per_s: float | None
+    timings: dict[str, float] | None = Field(
+        None, description="Seconds the worker spent by phase: train_s, eval_s, report_s, checkpoint_s, build_s, ..."
+    )
     error: str | None
     created_at: datetime
     completed_at: datetime | None

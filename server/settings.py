@@ -35,13 +35,47 @@ class Settings(BaseSettings):
         Path("./artifacts"),
         description="Where workers save each finished trial's weights; shared storage when workers run on other nodes.",
     )
-    max_array_size: int = Field(8, ge=1, description="Most trials fused into one array.")
-    cpu_workers: int = Field(1, ge=1, description="CPU worker actors to start when no GPU is present.")
-    ask_batch: int = Field(
-        16,
+    max_array_size: int = Field(
+        32,
         ge=1,
-        description="Most trials asked from a study's sampler ahead of being trained. Larger "
-        "batches fill arrays better; smaller ones let the sampler learn from more finished trials.",
+        description="Most trials fused into one array. The scheduler picks each class's size from "
+        "its measured speed-up curve up to this cap; 32 is where the digits workloads' curves "
+        "flatten on a CPU core (docs/benchmarks.md).",
+    )
+    min_member_efficiency: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="Fusing more members pays while each keeps at least this fraction of its solo "
+        "speed: low favours the sweep's throughput, high each trial's latency.",
+    )
+    cpu_workers: int | None = Field(
+        None,
+        ge=1,
+        description="CPU worker actors to start when no GPU is present; unset: one per CPU of the "
+        "Ray cluster, one thread each (small fused models scale better over processes than threads).",
+    )
+    ask_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Most trials asked from a study's sampler ahead of being trained; unset: enough "
+        "to fill every worker's array (workers x max_array_size). Smaller batches let the sampler "
+        "learn from more finished trials.",
+    )
+    checkpoint_frequency: int = Field(
+        1,
+        ge=0,
+        description="Checkpoint each running member at most every N epochs, in the background "
+        "(Ray Tune's name); a crash loses at most the epochs since the last one. 0: never.",
+    )
+    checkpoint_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="...and at most every this many seconds of its array's training, so that arrays "
+        "of short epochs do not spend their time saving. 0: every checkpoint_frequency epochs.",
+    )
+    throughput_smoothing: float = Field(
+        0.3, gt=0, le=1, description="Weight of a new throughput measurement in its running average."
     )
     scheduling_policy: Literal["fifo", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"] = Field(
         "fusetune", description="The scheduler's policy (see docs/scheduling.md)."

@@ -30,7 +30,9 @@ def space(**distributions: D.BaseDistribution) -> dict[str, str]:
 def service(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, str, Path]]:
     root = tmp_path_factory.mktemp("service")
     url = f"sqlite:///{root / 'fusetune.db'}"
-    with running_service(ray_cluster, url, max_array_size=4, artifact_dir=root / "artifacts") as client:
+    with running_service(
+        ray_cluster, url, cpu_workers=1, max_array_size=4, artifact_dir=root / "artifacts", checkpoint_interval_s=0
+    ) as client:
         yield client, url, root / "artifacts"
 
 

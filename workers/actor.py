@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
+from collections.abc import Iterator
 
 import torch
 
 import fusion
-from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
+from workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
 from workers.training import train_array
+
+#: How long an array waits for the control plane's reply to an epoch report before it fails.
+REPLY_TIMEOUT_S = 600.0
 
 
 class ArrayWorker:
@@ -34,6 +39,7 @@ class ArrayWorker:
         self._lock = threading.Lock()
         self._offers: dict[int, list[MemberSpec]] = {}
         self._releases: dict[int, set[int]] = {}
+        self._replies: dict[int, queue.SimpleQueue[EpochReply]] = {}
 
     @staticmethod
     def _device(device_type: str) -> torch.device:
@@ -87,11 +93,38 @@ class ArrayWorker:
         with self._lock:
             return self._releases.pop(array_id, set())
 
-    def run(self, spec: ArraySpec) -> ArrayOutcome:
-        outcome = train_array(spec, self.device, inbox=self)
+    def reply(self, array_id: int, reply: EpochReply) -> None:
+        """The control plane's answer to array ``array_id``'s last epoch report (second thread)."""
+        with self._lock:
+            replies = self._replies.setdefault(array_id, queue.SimpleQueue())
+        replies.put(reply)
+
+    def run(self, spec: ArraySpec) -> Iterator[EpochReport | ArrayOutcome]:
+        """Train ``spec``: yields one :class:`EpochReport` per epoch, then the :class:`ArrayOutcome`.
+
+        Called through Ray, this is a streaming generator: the control plane reads each
+        report as it is yielded and answers with :meth:`reply`, which the training loop
+        waits for before it acts on the epoch's pruning decisions.
+        """
+        with self._lock:
+            replies = self._replies.setdefault(spec.array_id, queue.SimpleQueue())
+        training = train_array(spec, self.device, inbox=self)
+        reply: EpochReply | None = None
+        try:
+            while True:
+                report = training.send(reply)
+                yield report
+                try:
+                    reply = replies.get(timeout=REPLY_TIMEOUT_S)
+                except queue.Empty:
+                    report = training.throw(TimeoutError(f"no reply from the control plane in {REPLY_TIMEOUT_S:.0f} s"))
+                    raise AssertionError("train_array went on after a fatal error") from None
+        except StopIteration as stop:
+            outcome: ArrayOutcome = stop.value
         with self._lock:
             # Offers that arrived after the last epoch boundary were never trained: the
             # scheduling loop re-queues them when it records this outcome.
-            self._offers.clear()
-            self._releases.clear()
-        return outcome
+            self._offers.pop(spec.array_id, None)
+            self._releases.pop(spec.array_id, None)
+            self._replies.pop(spec.array_id, None)
+        yield outcome

@@ -1,22 +1,26 @@
 """Per-member checkpoints: what a trial needs to continue in another array after a crash.
 
-At every epoch boundary a worker saves each member that trains on: its weights (a plain
-state_dict of the workload's model), its optimizer state (``member_state_dict`` of the
-fused optimizer) and how many epochs it has done. When its worker dies, the coordinator
-re-queues the trials that have one, and whichever array they join next resumes them at
-that epoch boundary instead of from scratch. A member that ends (complete, pruned,
-failed) has its checkpoint removed.
+Every ``checkpoint_frequency`` epochs a worker saves each member that trains on: its weights
+(a plain state_dict of the workload's model), its optimizer state (``member_state_dict`` of
+the fused optimizer) and how many epochs it has done. When its worker dies, the coordinator
+re-queues the trials that have one, and whichever array they join next resumes them at that
+epoch boundary instead of from scratch: at most the epochs since the last checkpoint are
+trained again. A member that ends (complete, pruned, failed) has its checkpoint removed.
+
+Writes happen on a background thread (:class:`CheckpointWriter`), so an epoch's report waits
+for its metrics only, never for the disk.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["checkpoint_path", "load_checkpoint", "remove_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointWriter", "checkpoint_path", "load_checkpoint", "remove_checkpoint", "save_checkpoint"]
 
 
 def checkpoint_path(artifact_dir: str | os.PathLike[str], study_name: str, trial_number: int) -> Path:
@@ -28,7 +32,7 @@ def save_checkpoint(path: Path, epochs_done: int, model: dict[str, torch.Tensor]
     """Write atomically: a crash mid-write leaves the previous checkpoint, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"epochs_done": epochs_done, "model": _cpu(model), "optimizer": _cpu(optimizer)}, tmp)
+    torch.save({"epochs_done": epochs_done, "model": model, "optimizer": optimizer}, tmp)
     os.replace(tmp, path)
 
 
@@ -43,11 +47,46 @@ def remove_checkpoint(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def _cpu(value: Any) -> Any:
+class CheckpointWriter:
+    """Saves and removes checkpoints on one background thread, in the order they were asked.
+
+    :meth:`save` copies the member's tensors before it returns (the training thread goes on
+    changing them in place), so what is written is exactly the state at that epoch boundary.
+    One thread keeps a save and a later remove of the same path in order.
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusetune-checkpoints")
+        self._pending: list[Future[None]] = []
+
+    def save(self, path: Path, epochs_done: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
+        model, optimizer = _cpu_copy(model), _cpu_copy(optimizer)
+        self._submit(save_checkpoint, path, epochs_done, model, optimizer)
+
+    def remove(self, path: Path) -> None:
+        self._submit(remove_checkpoint, path)
+
+    def flush(self) -> None:
+        """Wait for every write asked so far; re-raises the first one that failed."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._executor.shutdown(wait=True)
+
+    def _submit(self, fn: Any, *args: Any) -> None:
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+        self._pending.append(self._executor.submit(fn, *args))
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A copy on the CPU: ``Tensor.cpu()`` alone would alias a CPU tensor that training mutates."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
+        return {k: _cpu_copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_cpu(v) for v in value)
+        return type(value)(_cpu_copy(v) for v in value)
     return value

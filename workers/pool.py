@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 import ray
 
 from workers.actor import ArrayWorker
-from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
+from workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
+
+#: One thing a worker said: an epoch report of the array it trains, or how the array ended
+#: (its outcome, or the error that ended it, the worker's death included).
+Event = tuple["WorkerHandle", ArraySpec, EpochReport | ArrayOutcome | BaseException]
 
 
 def _options(device_type: str, threads: int) -> dict:
@@ -30,11 +34,11 @@ class WorkerHandle:
     node: str = ""
     memory_bytes: int = 16 << 30
     spec: ArraySpec | None = None
-    ref: ray.ObjectRef | None = field(default=None, repr=False)
+    stream: ray.ObjectRefGenerator | None = field(default=None, repr=False)  # the array's reports
 
     @property
     def idle(self) -> bool:
-        return self.ref is None
+        return self.stream is None
 
 
 class WorkerPool:
@@ -42,11 +46,11 @@ class WorkerPool:
 
     Args:
         cpu_workers: how many CPU workers to start when the cluster has no accelerator; the
-            cluster's CPUs are split evenly between them.
+            cluster's CPUs are split evenly between them. None: one per CPU, one thread each.
         name_prefix: actor names start with it, so several services can share one cluster.
     """
 
-    def __init__(self, cpu_workers: int = 1, name_prefix: str = "fusetune") -> None:
+    def __init__(self, cpu_workers: int | None = None, name_prefix: str = "fusetune") -> None:
         self.cpu_workers = cpu_workers
         self.name_prefix = name_prefix
         self.workers: list[WorkerHandle] = []
@@ -65,6 +69,7 @@ class WorkerPool:
             have = sum(w.device_type == device_type for w in self.workers)
             slots += [(device_type, 1)] * (int(resources.get(resource, 0)) - have)
         if not slots and not self.workers and resources.get("CPU", 0) >= 1:
+            self.cpu_workers = self.cpu_workers or int(resources["CPU"])
             slots = [("cpu", max(1, int(resources["CPU"]) // self.cpu_workers))] * self.cpu_workers
         started = []
         for device_type, threads in slots:
@@ -76,7 +81,7 @@ class WorkerPool:
         for worker, info in zip(started, infos, strict=True):
             worker.node = info["node"]
             # CPU workers on one node share its memory.
-            worker.memory_bytes = int(info["memory_bytes"]) // (self.cpu_workers if worker.device_type == "cpu" else 1)
+            worker.memory_bytes = int(info["memory_bytes"]) // ((self.cpu_workers or 1) if worker.device_type == "cpu" else 1)
         return started
 
     @staticmethod
@@ -95,7 +100,13 @@ class WorkerPool:
         if not worker.idle:
             raise RuntimeError(f"worker {worker.name} is already training array {worker.spec.array_id}")
         worker.spec = spec
-        worker.ref = worker.actor.run.remote(spec)
+        worker.stream = worker.actor.run.remote(spec)
+
+    def reply(self, worker: WorkerHandle, reply: EpochReply) -> None:
+        """Answer the epoch report of the array ``worker`` is training."""
+        if worker.spec is None:
+            raise RuntimeError(f"worker {worker.name} is not training an array")
+        worker.actor.reply.remote(worker.spec.array_id, reply)
 
     def offer(self, worker: WorkerHandle, members: list[MemberSpec]) -> None:
         """Hand newcomers to the array ``worker`` is training; they join at its next epoch boundary."""
@@ -109,30 +120,38 @@ class WorkerPool:
             raise RuntimeError(f"worker {worker.name} is not training an array")
         worker.actor.release.remote(worker.spec.array_id, trial_ids)
 
-    def poll(self, timeout: float = 0.0) -> list[tuple[WorkerHandle, ArraySpec, ArrayOutcome | BaseException]]:
-        """Arrays that finished since the last poll, with their outcome or the error that ended them.
+    def wait(self, timeout: float = 0.0) -> list[Event]:
+        """What the busy workers said, waiting up to ``timeout`` seconds for the first word.
 
-        A worker whose process died is restarted, so the pool keeps its size.
+        Epoch reports leave the worker busy (it waits for :meth:`reply`); an outcome or an
+        error makes it idle again. A worker whose process died is restarted, so the pool
+        keeps its size.
         """
-        busy = {w.ref: w for w in self.workers if w.ref is not None}
+        busy = {w.stream: w for w in self.workers if w.stream is not None}
         if not busy:
             return []
-        ready, _ = ray.wait(list(busy), num_returns=len(busy), timeout=timeout)
-        finished = []
-        for ref in ready:
-            worker = busy[ref]
+        ready, rest = ray.wait(list(busy), num_returns=1, timeout=timeout)
+        if ready and rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        events: list[Event] = []
+        for stream in ready:
+            worker = busy[stream]
             spec = worker.spec
             try:
-                result: ArrayOutcome | BaseException = ray.get(ref)
+                item: EpochReport | ArrayOutcome | BaseException = ray.get(next(stream))
+            except StopIteration:  # the stream ended without an outcome: cannot happen in run()
+                item = RuntimeError(f"worker {worker.name} ended array {spec.array_id} without an outcome")
             except ray.exceptions.RayActorError as exc:
-                result = exc
+                item = exc
                 worker.actor = self._start(worker.name, worker.device_type, worker.num_threads).actor
                 worker.node = ray.get(worker.actor.info.remote())["node"]
             except ray.exceptions.RayError as exc:
-                result = exc
-            worker.spec, worker.ref = None, None
-            finished.append((worker, spec, result))
-        return finished
+                item = exc
+            if not isinstance(item, EpochReport):
+                worker.spec, worker.stream = None, None
+            events.append((worker, spec, item))
+        return events
 
     def shutdown(self) -> None:
         for worker in self.workers:

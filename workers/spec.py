@@ -1,9 +1,14 @@
-"""What a worker is asked to train and what it answers: plain data, sent through Ray."""
+"""What a worker is asked to train and what it says back: plain data, sent through Ray.
+
+A worker talks only to the control plane, never to the database: it is handed an
+:class:`ArraySpec`, sends one :class:`EpochReport` per array-epoch and gets an
+:class:`EpochReply` back (the pruning decisions), and ends with an :class:`ArrayOutcome`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -18,18 +23,66 @@ class MemberSpec:
 
 @dataclass(frozen=True)
 class ArraySpec:
-    """An array to train: its members, their study and where to report."""
+    """An array to train: its members and their study's settings."""
 
     array_id: int
     signature: str  # the scheduler's class of the members: equal shapes, one study
-    database_url: str
     study_name: str
     workload: str
     epochs: int
     members: tuple[MemberSpec, ...]
-    pruner: dict[str, Any] | None = None
     seed: int = 0
-    artifact_dir: str | None = None  # where each finished member's state_dict is saved
+    artifact_dir: str | None = None  # where members' weights and checkpoints are saved
+    checkpoint_frequency: int = 1  # checkpoint at most every N epochs (Ray Tune's name); 0: never
+    checkpoint_interval_s: float = 0.0  # ...and at most every this many seconds
+    probe_solo: bool = False  # also time one member unfused once: the class's B = 1 speed
+
+
+@dataclass(frozen=True)
+class MemberReport:
+    """One member's result at an epoch boundary.
+
+    ``state`` is set when the member ended on the worker's side: ``COMPLETE`` after its last
+    epoch (its weights saved at ``state_dict``), ``FAIL`` when its loss stopped being
+    finite. Pruning is the control plane's decision, sent back in the :class:`EpochReply`.
+    """
+
+    trial_id: int
+    step: int  # the member's own epoch index: members of one array can be at different epochs
+    value: float
+    state: Literal["COMPLETE", "FAIL"] | None = None
+    error: str | None = None
+    state_dict: str | None = None
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A member that started training in this array at the last boundary."""
+
+    trial_id: int
+    resumed_at_epoch: int | None = None  # the checkpoint's epochs done, when it resumed from one
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """Everything one array-epoch produced: the control plane writes it in one transaction."""
+
+    array_id: int
+    members: tuple[MemberReport, ...]
+    joined: tuple[Joined, ...] = ()  # started since the previous report
+    released: tuple[int, ...] = ()  # preempted trial ids that left checkpointed
+    size: int = 0  # B that trained this epoch
+    member_steps: int = 0  # models·steps done this epoch
+    train_seconds: float = 0.0
+    solo_steps_per_s: float | None = None  # the unfused probe's speed, when the spec asked for it
+    timings: dict[str, float] = field(default_factory=dict)  # seconds by phase, this epoch
+
+
+@dataclass(frozen=True)
+class EpochReply:
+    """The control plane's answer to an :class:`EpochReport`."""
+
+    prune: frozenset[int] = frozenset()  # trial ids whose pruner says stop
 
 
 @dataclass
@@ -44,5 +97,5 @@ class ArrayOutcome:
     epochs_done: int = 0
     models_steps_per_s: float | None = None
     members: int = 0  # how many members trained (B)
-    sizing: dict[str, Any] | None = None  # fusion.sizing's dry-run result for this device type
+    timings: dict[str, float] = field(default_factory=dict)  # seconds by phase, whole array
     error: str | None = None

@@ -5,18 +5,17 @@ from __future__ import annotations
 import math
 import time
 import traceback
+from collections import defaultdict
+from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
-from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 import fusion
-import fusion.sizing
-from workers.checkpoints import checkpoint_path, load_checkpoint, remove_checkpoint, save_checkpoint
-from workers.reporting import Reporter
-from workers.spec import ArrayOutcome, ArraySpec, MemberSpec
+from workers.checkpoints import CheckpointWriter, checkpoint_path, load_checkpoint
+from workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, Joined, MemberReport, MemberSpec
 from workers.workloads import Workload, get_workload
 
 #: Per-member hyper-parameters each optimizer takes from a trial's params, with torch's defaults.
@@ -87,34 +86,44 @@ def resume_members(
     return epochs, optimizer_states
 
 
-def size_on_device(
-    workload: Workload, spec: ArraySpec, x: torch.Tensor, y: torch.Tensor, device: torch.device
-) -> fusion.sizing.SizingResult:
-    """The fusion engine's dry runs for this array's signature on this device (cached per process).
+#: The torch optimizer each fused optimizer twins, for the unfused probe.
+TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
-    They measure the largest B that fits and the models·steps/s of each B against an unfused
-    model, which the scheduler turns into its throughput curve for the device type.
+
+def probe_solo_speed(
+    workload: Workload, member: MemberSpec, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int = 3
+) -> float:
+    """Steps/s of one member's model trained alone, unfused, on the array's own data.
+
+    It is the B = 1 point of the class's speed-up curve: with the array's own measured
+    speed it tells the scheduler what fusing gains on this device, instead of the dry runs
+    that used to delay a class's first array. A copy trains (from the member's init seed,
+    one epoch's worth of steps at most), so the member itself is untouched.
     """
-    params = spec.members[0].params
-    batch = workload.batch_size_for(params)
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        # Time with one thread: millisecond steps timed on shared cores with several OpenMP
-        # threads measure mostly the threads' spinning against other processes.
-        torch.set_num_threads(1)
-    try:
-        return fusion.sizing.size_array(
-            lambda: workload.build_model(params),
-            x[:batch],
-            y[:batch],
-            device=device,
-            loss_fn=workload.loss,
-            optimizer=workload.optimizer,
-            candidates=(1, 2, 4, 8, 16),
-            signature=spec.signature,
-        )
-    finally:
-        torch.set_num_threads(threads)
+    device = x.device
+    batch = workload.batch_size_for(member.params)
+    torch.manual_seed(member.number)
+    model = workload.build_model(member.params).to(device)
+    hparams = {name: values[0] for name, values in optimizer_kwargs(workload, [member.params]).items()}
+    optimizer = TORCH_OPTIMIZERS[workload.optimizer](model.parameters(), **hparams)
+    model.train()
+    clock = 0.0
+    for k in range(warmup + steps):
+        if k == warmup:
+            _sync(device)
+            clock = time.perf_counter()
+        idx = torch.randint(len(y), (batch,), device=device)
+        loss = workload.loss(model(x[idx]), y[idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    _sync(device)
+    return steps / (time.perf_counter() - clock)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Inbox(Protocol):
@@ -125,33 +134,42 @@ class Inbox(Protocol):
     def released(self, array_id: int) -> set[int]: ...
 
 
-def train_array(
-    spec: ArraySpec, device: torch.device, reporter: Reporter | None = None, inbox: Inbox | None = None
-) -> ArrayOutcome:
+#: What ``train_array`` yields, is sent back, and returns (see its docstring).
+Training = Generator[EpochReport, EpochReply | None, ArrayOutcome]
+
+
+def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = None) -> Training:
     """Train ``spec``'s members as one fused model, each for ``spec.epochs`` epochs.
 
-    After every epoch each member's validation metric is reported. Members end on their own:
-    after their last epoch, when their pruner says so, or when their loss stops being finite;
-    the rest keep training, and the ended ones leave the fused model. Newcomers waiting in
-    ``inbox`` join at the epoch boundary with fresh weights and optimizer state, so members
-    of one array can be at different epochs. With an ``artifact_dir``, every member that
-    trains on is checkpointed at each epoch boundary (``workers.checkpoints``), and a member
-    that has a checkpoint (its last worker died) resumes from it: weights, optimizer state
-    and epoch count (the data order of its later epochs differs). Members the scheduler
-    preempts (``inbox.released``) leave at the next epoch boundary with their checkpoint,
-    waiting for another array. Any other error fails the whole array, with the error recorded.
+    A generator: after every epoch it yields one :class:`EpochReport` (every member's
+    validation metric, the members that ended or left, the epoch's throughput and timings)
+    and waits for the control plane's :class:`EpochReply` to be sent back (``send``), whose
+    ``prune`` names the members the study's pruner stops. It returns the
+    :class:`ArrayOutcome` (``StopIteration.value``).
+
+    Members end on their own: after their last epoch (their weights saved as a plain
+    state_dict first), when pruned, or when their loss stops being finite; the rest keep
+    training, and the ended ones leave the fused model. Newcomers waiting in ``inbox`` join
+    at the epoch boundary with fresh weights and optimizer state, so members of one array
+    can be at different epochs. With an ``artifact_dir``, every member that trains on is
+    checkpointed every ``spec.checkpoint_frequency`` epochs, in the background
+    (``workers.checkpoints.CheckpointWriter``), and a member that has a checkpoint (its last
+    worker died, or it was preempted) resumes from it: weights, optimizer state and epoch
+    count (the data order of its later epochs differs). Members the scheduler preempts
+    (``inbox.released``) leave at the next epoch boundary with a checkpoint written before
+    the report says they left. Any other error fails the whole array, with the error recorded.
     """
-    reporter = reporter or Reporter(spec)
     outcome = ArrayOutcome(array_id=spec.array_id)
+    timings: dict[str, float] = defaultdict(float)
     members: list[MemberSpec] = list(spec.members)
-    epochs_done: list[int] = [0] * len(members)
+    writer = CheckpointWriter()
+    last_saved: dict[int, tuple[int, float]] = {}  # trial id -> (epochs done, train seconds) at its last checkpoint
     try:
+        clock = time.perf_counter()
         workload = get_workload(spec.workload)
-        reporter.started(members)
         train, val = workload.datasets()
         x, y = (t.to(device) for t in train.tensors)
         x_val, y_val = (t.to(device) for t in val.tensors)
-        outcome.sizing = size_on_device(workload, spec, x, y, device).to_json()
         models = build_models(workload, members, spec.seed)
         epochs_done, optimizer_states = resume_members(spec, members, models)
         fused = fusion.fuse(models).to(device)
@@ -159,17 +177,20 @@ def train_array(
         for b, state in enumerate(optimizer_states):
             if state is not None:
                 optimizer.load_member_state_dict(b, state)
-                reporter.resumed(members[b], epochs_done[b])
+        joined = [Joined(m.trial_id, e if s is not None else None) for m, e, s in zip(members, epochs_done, optimizer_states)]
         batch_size = workload.batch_size_for(members[0].params)
         generator = torch.Generator().manual_seed(spec.seed)
         member_steps, steps, train_seconds = 0, 0, 0.0
+        timings["build_s"] += time.perf_counter() - clock
 
         while members:
+            epoch = defaultdict(float)
             count = len(members)
             fused.train()
-            start = time.perf_counter()
+            clock = time.perf_counter()
             order = torch.randperm(len(y), generator=generator).to(device)
             losses = torch.zeros(count, device=device)
+            epoch_steps = 0
             for begin in range(0, len(y), batch_size):
                 idx = order[begin : begin + batch_size]
                 out = fused(fusion.broadcast(x[idx], count))
@@ -177,63 +198,107 @@ def train_array(
                 optimizer.zero_grad(set_to_none=True)
                 losses.sum().backward()
                 optimizer.step()
-                member_steps, steps = member_steps + count, steps + 1
-            train_seconds += time.perf_counter() - start
+                epoch_steps += 1
+            final_losses = losses.detach().cpu().tolist()
+            epoch["train_s"] = time.perf_counter() - clock
+            member_steps, steps, train_seconds = member_steps + count * epoch_steps, steps + epoch_steps, train_seconds + epoch["train_s"]
+            solo = None
+            if spec.probe_solo and outcome.epochs_done == 0:
+                clock = time.perf_counter()
+                solo = probe_solo_speed(workload, members[0], x, y, steps=epoch_steps)
+                epoch["probe_s"] = time.perf_counter() - clock
 
+            clock = time.perf_counter()
             fused.eval()
             with torch.no_grad():
                 out = fused(fusion.broadcast(x_val, count))
             values = [float(workload.metric(out[b], y_val)) for b in range(count)]
-            final_losses = losses.detach().cpu().tolist()
+            epoch["eval_s"] = time.perf_counter() - clock
             outcome.epochs_done += 1
 
-            ended = []
-            for b in range(count):
+            # Members that end on the worker's side: diverged, or done (weights saved first).
+            clock = time.perf_counter()
+            ended: dict[int, str] = {}
+            reports = []
+            for b, member in enumerate(members):
                 epochs_done[b] += 1
+                step = epochs_done[b] - 1
                 if not math.isfinite(final_losses[b]) or not math.isfinite(values[b]):
-                    reporter.fail(members[b], f"training diverged: non-finite loss at epoch {epochs_done[b] - 1}")
-                    outcome.failed[members[b].trial_id] = "training diverged"
-                    ended.append(b)
-            going = [b for b in range(count) if b not in ended]
-            prune = reporter.epoch(
-                [members[b] for b in going], [epochs_done[b] - 1 for b in going], [values[b] for b in going]
-            )
-            for b, should_prune in zip(going, prune, strict=True):
-                if epochs_done[b] >= spec.epochs:
-                    if spec.artifact_dir is not None:
-                        reporter.saved(members[b], save_member(fused, b, spec, members[b]))
-                    reporter.complete(members[b], values[b])
-                    outcome.completed.append(members[b].trial_id)
-                    ended.append(b)
-                elif should_prune:
-                    reporter.pruned(members[b], values[b])
-                    outcome.pruned.append(members[b].trial_id)
-                    ended.append(b)
-
-            # Members the scheduler preempted leave with their checkpoint (only where there is one).
-            release = inbox.released(spec.array_id) if inbox is not None and spec.artifact_dir else set()
-            leaving = [b for b in range(count) if b not in ended and members[b].trial_id in release]
-            for b in range(count):
-                path = _checkpoint_of(spec, members[b])
-                if path is None:
-                    continue
-                if b in ended:
-                    remove_checkpoint(path)
+                    error = f"training diverged: non-finite loss at epoch {step}"
+                    reports.append(MemberReport(member.trial_id, step, values[b], "FAIL", error=error))
+                    ended[b], outcome.failed[member.trial_id] = "FAIL", "training diverged"
+                elif epochs_done[b] >= spec.epochs:
+                    path = save_member(fused, b, spec, member) if spec.artifact_dir is not None else None
+                    reports.append(MemberReport(member.trial_id, step, values[b], "COMPLETE", state_dict=path))
+                    ended[b] = "COMPLETE"
+                    outcome.completed.append(member.trial_id)
                 else:
-                    save_checkpoint(path, epochs_done[b], fused.member_state_dict(b), optimizer.member_state_dict(b))
-            for b in leaving:
-                reporter.released(members[b])
-                outcome.released.append(members[b].trial_id)
-            ended += leaving
+                    reports.append(MemberReport(member.trial_id, step, values[b]))
+            epoch["save_s"] = time.perf_counter() - clock
 
+            # Members the scheduler preempted leave with their checkpoint (only where there is
+            # one), on disk before the report lets another array take them.
+            clock = time.perf_counter()
+            release = inbox.released(spec.array_id) if inbox is not None and spec.artifact_dir else set()
+            leaving = [b for b, m in enumerate(members) if b not in ended and m.trial_id in release]
+            for b in leaving:
+                writer.save(_checkpoint_of(spec, members[b]), epochs_done[b], fused.member_state_dict(b), optimizer.member_state_dict(b))
+                outcome.released.append(members[b].trial_id)
+            if leaving:
+                writer.flush()
+            epoch["checkpoint_s"] = time.perf_counter() - clock
+
+            report = EpochReport(
+                array_id=spec.array_id,
+                members=tuple(reports),
+                joined=tuple(joined),
+                released=tuple(members[b].trial_id for b in leaving),
+                size=count,
+                member_steps=count * epoch_steps,
+                train_seconds=epoch["train_s"],
+                solo_steps_per_s=solo,
+                timings=dict(epoch),
+            )
+            clock = time.perf_counter()
+            reply = (yield report) or EpochReply()
+            timings["report_s"] += time.perf_counter() - clock
+            joined = []
+            for b, member in enumerate(members):
+                if b not in ended and member.trial_id in reply.prune:
+                    ended[b] = "PRUNED"
+                    outcome.pruned.append(member.trial_id)
+            for b in leaving:
+                ended[b] = "RELEASED"
+
+            # Checkpoints in the background: the next epoch does not wait for the disk. A member
+            # is saved once checkpoint_frequency epochs and checkpoint_interval_s seconds of
+            # training have passed since its last checkpoint.
+            clock = time.perf_counter()
+            if spec.artifact_dir is not None:
+                for b, member in enumerate(members):
+                    if ended.get(b, "RELEASED") != "RELEASED":
+                        writer.remove(_checkpoint_of(spec, member))
+                        last_saved.pop(member.trial_id, None)
+                        continue
+                    epochs_at, seconds_at = last_saved.setdefault(member.trial_id, (epochs_done[b] - 1, train_seconds - epoch["train_s"]))
+                    if (
+                        b not in ended
+                        and spec.checkpoint_frequency
+                        and epochs_done[b] - epochs_at >= spec.checkpoint_frequency
+                        and train_seconds - seconds_at >= spec.checkpoint_interval_s
+                    ):
+                        writer.save(_checkpoint_of(spec, member), epochs_done[b], fused.member_state_dict(b), optimizer.member_state_dict(b))
+                        last_saved[member.trial_id] = (epochs_done[b], train_seconds)
+            epoch["checkpoint_s"] += time.perf_counter() - clock
+
+            clock = time.perf_counter()
             newcomers = inbox.take(spec.array_id) if inbox is not None else []
             if ended and len(ended) < count:
-                fused.remove_members(ended)
-                optimizer.remove_members(ended)
+                fused.remove_members(sorted(ended))
+                optimizer.remove_members(sorted(ended))
             keep = [b for b in range(count) if b not in ended]
             members, epochs_done = [members[b] for b in keep], [epochs_done[b] for b in keep]
             if newcomers:
-                reporter.started(newcomers)
                 models = build_models(workload, newcomers, spec.seed)
                 new_epochs, new_states = resume_members(spec, newcomers, models)
                 if members:
@@ -245,10 +310,14 @@ def train_array(
                 for k, state in enumerate(new_states):
                     if state is not None:
                         optimizer.load_member_state_dict(len(members) + k, state)
-                        reporter.resumed(newcomers[k], new_epochs[k])
+                joined = [Joined(m.trial_id, e if s is not None else None) for m, e, s in zip(newcomers, new_epochs, new_states)]
                 members += newcomers
                 epochs_done += new_epochs
+            epoch["build_s"] = time.perf_counter() - clock
+            for phase, seconds in epoch.items():
+                timings[phase] += seconds
 
+        writer.flush()
         if train_seconds > 0:
             outcome.models_steps_per_s = member_steps / train_seconds
             outcome.members = round(member_steps / steps)
@@ -256,9 +325,14 @@ def train_array(
         outcome.error = f"{type(exc).__name__}: {exc}"
         detail = outcome.error + "\n" + traceback.format_exc(limit=5)
         for member in members:
-            reporter.fail(member, detail)
-            outcome.failed[member.trial_id] = outcome.error
+            outcome.failed.setdefault(member.trial_id, detail)
             path = _checkpoint_of(spec, member)
             if path is not None:
-                remove_checkpoint(path)
+                writer.remove(path)
+    finally:
+        try:
+            writer.close()
+        except OSError as exc:  # a checkpoint could not be written: the trials can't resume
+            outcome.error = outcome.error or f"checkpoint write failed: {exc}"
+    outcome.timings = dict(timings)
     return outcome

@@ -25,9 +25,15 @@ def get_url(request: Request) -> str:
 
 
 @router.post("/studies", status_code=status.HTTP_201_CREATED, response_model=StudyOut, tags=["studies"])
-def create_study(body: StudyCreate, session: Session = Depends(get_session), url: str = Depends(get_url)) -> StudyOut:
+def create_study(
+    body: StudyCreate, request: Request, session: Session = Depends(get_session), url: str = Depends(get_url)
+) -> StudyOut:
     """Start a tuning study; its trials are asked, fused into arrays and trained in the background."""
-    return service.create_study(session, url, body)
+    study = service.create_study(session, url, body)
+    coordinator = getattr(request.app.state, "coordinator", None)
+    if coordinator is not None:
+        coordinator.wake()  # schedule it now, not at the next poll
+    return study
 
 
 @router.get("/studies", response_model=list[StudyOut], tags=["studies"])

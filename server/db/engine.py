@@ -22,9 +22,13 @@ VERSION_TABLE = "fusetune_alembic_version"
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
-    # WAL lets Ray workers write metrics while the API reads; foreign keys are off by default.
+    # WAL lets the API read while the control plane writes; foreign keys are off by default.
+    # In WAL mode synchronous=NORMAL syncs at checkpoints, not at every commit: a commit
+    # survives the process crashing (only a power loss can undo the last ones), and an
+    # array-epoch's transaction no longer waits for the disk.
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 

@@ -127,6 +127,8 @@ class Array(Base):
     worker_id: Mapped[int | None] = mapped_column(ForeignKey("ft_workers.id"), nullable=True)
     epochs_done: Mapped[int] = mapped_column(Integer, default=0)
     models_steps_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Seconds the worker spent by phase (train_s, eval_s, report_s, checkpoint_s, ...).
+    timings: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     completed_at: Mapped[datetime | None] = mapped_column(nullable=True)
@@ -179,3 +181,23 @@ class Worker(Base):
     node: Mapped[str] = mapped_column(String(255))
     state: Mapped[str] = mapped_column(String(16), default="IDLE")
     last_seen: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Throughput(Base):
+    """Measured speed of one shape signature on one device type at one array size B.
+
+    Every array-epoch updates its (signature, device type, B) row, an exponential average
+    of the models·steps/s the worker measured (B = 1 also from the unfused probe a class's
+    first array runs). The scheduler fits each class's speed-up curve to these rows, so a
+    restarted service, or a second study of the same shapes, sizes its arrays from what was
+    measured instead of measuring again.
+    """
+
+    __tablename__ = "ft_throughput"
+
+    signature: Mapped[str] = mapped_column(String(64), primary_key=True)
+    device_type: Mapped[str] = mapped_column(String(64), primary_key=True)
+    members: Mapped[int] = mapped_column(Integer, primary_key=True)
+    models_steps_per_s: Mapped[float] = mapped_column(Float)
+    samples: Mapped[int] = mapped_column(Integer, default=1)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

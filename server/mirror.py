@@ -1,0 +1,254 @@
+"""An Optuna study as the control plane holds it: in memory for its sampler and pruner,
+written through to Optuna's tables in the caller's database transaction.
+
+Why not Optuna's RDB storage directly: for every parameter it suggests, a sampler reads the
+study's trials, and the RDB storage reads every *running* trial back from the database each
+time. Asking TPE for 64 trials that way took 2.6 s on SQLite and 3.7 s on PostgreSQL on the
+2-core machine of ``docs/benchmarks.md``, longer than fusion then needs to train them; in
+memory it takes 20 ms. The control plane is the only writer of its studies' trials (workers
+report to it, never to the database), so it can keep each running study in an
+``InMemoryStorage`` that its sampler asks from and its pruner decides on, and write every
+change to Optuna's tables itself, in the same transaction as fusetune's own rows: one
+transaction per array-epoch, whatever the array's size.
+
+The database stays the truth. A mirror is loaded from it (``StudyMirror(storage, id, ...)``)
+when the service first drives a study, also after a restart, and ``optuna.load_study`` or
+optuna-dashboard read the same trials, params, intermediate values, attributes and values.
+
+Optuna's table models (``optuna.storages._rdb.models``) are private API; they have kept their
+shape since Optuna 3.0, and ``tests/server/test_mirror.py`` reads every write back through
+Optuna's own RDB storage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, distribution_to_json
+from optuna.storages._rdb import models as rdb
+from optuna.trial import FrozenTrial
+from optuna.trial import TrialState as OptunaState
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+__all__ = ["AskedTrial", "StudyMirror"]
+
+
+@dataclass(frozen=True)
+class AskedTrial:
+    """A trial the sampler suggested, now in the database."""
+
+    trial_id: int  # Optuna's trial id in the database
+    number: int
+    params: dict[str, Any]  # what the workload's search space returned
+    error: str | None = None  # the search space raised: the trial is FAIL already
+
+
+class StudyMirror:
+    """The control plane's view of one Optuna study (see the module docstring).
+
+    Every method that changes the study takes the SQLAlchemy session of the caller's
+    transaction and adds its writes to it; the caller commits.
+
+    Args:
+        storage: Optuna's RDB storage on the service's database, read once here.
+        study_id: the study's id in that storage.
+        sampler, pruner: the study's own.
+    """
+
+    def __init__(
+        self,
+        storage: optuna.storages.RDBStorage,
+        study_id: int,
+        sampler: optuna.samplers.BaseSampler,
+        pruner: optuna.pruners.BasePruner,
+    ) -> None:
+        self._db_study_id = study_id
+        self._memory = optuna.storages.InMemoryStorage()
+        name = storage.get_study_name_from_id(study_id)
+        memory_study_id = self._memory.create_new_study(storage.get_study_directions(study_id), name)
+        for key, value in storage.get_study_system_attrs(study_id).items():
+            self._memory.set_study_system_attr(memory_study_id, key, value)
+        for key, value in storage.get_study_user_attrs(study_id).items():
+            self._memory.set_study_user_attr(memory_study_id, key, value)
+        self.study = optuna.Study(study_name=name, storage=self._memory, sampler=sampler, pruner=pruner)
+        self._to_memory: dict[int, int] = {}  # database trial id -> mirror trial id
+        # get_all_trials lists trials by number, so the mirror numbers them the same way.
+        for frozen in storage.get_all_trials(study_id, deepcopy=False):
+            self._to_memory[frozen._trial_id] = self._memory.create_new_trial(memory_study_id, template_trial=frozen)
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.study.directions) > 1
+
+    def trial(self, trial_id: int) -> FrozenTrial:
+        """The trial (by database id) as the mirror holds it."""
+        return self._memory.get_trial(self._to_memory[trial_id])
+
+    # -- asking --------------------------------------------------------------------------------
+    def ask(
+        self,
+        session: Session,
+        n: int,
+        search_space: Callable[[optuna.Trial], Mapping[str, Any]],
+        fixed_distributions: Mapping[str, BaseDistribution] | None = None,
+    ) -> list[AskedTrial]:
+        """Ask the sampler for ``n`` trials and add them to the database.
+
+        Each trial's params come from ``search_space`` (a workload's define-by-run space),
+        or from ``fixed_distributions`` alone when given. One that the search space rejects
+        (it raised) is FAIL at once, with the error. Running trials the sampler asked
+        before count as running while it samples (TPE's constant liar sees them), so a
+        batch of asks spreads out instead of repeating itself.
+        """
+        asked: list[tuple[FrozenTrial, dict[str, Any], str | None]] = []
+        for _ in range(n):
+            trial = self.study.ask(fixed_distributions=dict(fixed_distributions) if fixed_distributions else None)
+            error = None
+            try:
+                params = dict(trial.params) if fixed_distributions else dict(search_space(trial))
+            except Exception as exc:  # the workload's own code rejected the sampled values
+                params, error = dict(trial.params), f"{type(exc).__name__}: {exc}"
+                self._memory.set_trial_state_values(trial._trial_id, OptunaState.FAIL)
+            asked.append((self._memory.get_trial(trial._trial_id), params, error))
+        rows = [self._insert(session, frozen) for frozen, _, _ in asked]
+        session.flush()
+        out = []
+        for row, (frozen, params, error) in zip(rows, asked, strict=True):
+            self._to_memory[row.trial_id] = frozen._trial_id
+            out.append(AskedTrial(row.trial_id, frozen.number, params, error))
+        return out
+
+    def _insert(self, session: Session, frozen: FrozenTrial) -> rdb.TrialModel:
+        row = rdb.TrialModel(
+            number=frozen.number,
+            study_id=self._db_study_id,
+            state=frozen.state,
+            datetime_start=frozen.datetime_start,
+            datetime_complete=frozen.datetime_complete,
+        )
+        row.params = [
+            rdb.TrialParamModel(
+                param_name=name,
+                param_value=frozen.distributions[name].to_internal_repr(value),
+                distribution_json=distribution_to_json(frozen.distributions[name]),
+            )
+            for name, value in frozen.params.items()
+        ]
+        row.system_attributes = [
+            rdb.TrialSystemAttributeModel(key=k, value_json=json.dumps(v)) for k, v in frozen.system_attrs.items()
+        ]
+        row.user_attributes = [
+            rdb.TrialUserAttributeModel(key=k, value_json=json.dumps(v)) for k, v in frozen.user_attrs.items()
+        ]
+        session.add(row)
+        return row
+
+    # -- reporting -----------------------------------------------------------------------------
+    def report(self, session: Session, values: Iterable[tuple[int, int, float]]) -> None:
+        """Record intermediate values ``(trial id, step, value)``, as ``Trial.report`` does.
+
+        A step reported again (a trial that resumed from an earlier checkpoint trains it
+        again) replaces the stored value, so each (trial, step) is stored once and the
+        stored curve is the curve of the weights the trial goes on with.
+        """
+        values = list(values)
+        if not values:
+            return
+        for trial_id, step, value in values:
+            self._memory.set_trial_intermediate_value(self._to_memory[trial_id], step, value)
+        table = rdb.TrialIntermediateValueModel
+        existing = {
+            (row.trial_id, row.step): row
+            for row in session.scalars(
+                select(table).where(
+                    table.trial_id.in_({t for t, _, _ in values}), table.step.in_({s for _, s, _ in values})
+                )
+            )
+        }
+        for trial_id, step, value in values:
+            stored, kind = table.intermediate_value_to_stored_repr(value)
+            row = existing.get((trial_id, step))
+            if row is None:
+                session.add(table(trial_id=trial_id, step=step, intermediate_value=stored, intermediate_value_type=kind))
+            else:
+                row.intermediate_value, row.intermediate_value_type = stored, kind
+
+    def should_prune(self, session: Session, trial_id: int) -> bool:
+        """The study's pruner on the trial's reported values, as ``Trial.should_prune``.
+
+        Pruners that keep state in the trial's system attrs (successive halving, Hyperband)
+        write it to the mirror; those writes join the caller's transaction.
+        """
+        if self.multi_objective:
+            return False  # Optuna's pruners are single-objective
+        memory_id = self._to_memory[trial_id]
+        before = self._memory.get_trial(memory_id).system_attrs
+        decision = bool(self.study.pruner.prune(self.study, self._memory.get_trial(memory_id)))
+        after = self._memory.get_trial(memory_id).system_attrs
+        self.set_system_attrs(session, trial_id, {k: v for k, v in after.items() if before.get(k, object()) != v})
+        return decision
+
+    def set_user_attrs(self, session: Session, trial_id: int, attrs: Mapping[str, Any]) -> None:
+        for key, value in attrs.items():
+            self._memory.set_trial_user_attr(self._to_memory[trial_id], key, value)
+        self._set_attrs(session, rdb.TrialUserAttributeModel, trial_id, attrs)
+
+    def set_system_attrs(self, session: Session, trial_id: int, attrs: Mapping[str, Any]) -> None:
+        for key, value in attrs.items():
+            self._memory.set_trial_system_attr(self._to_memory[trial_id], key, value)
+        self._set_attrs(session, rdb.TrialSystemAttributeModel, trial_id, attrs)
+
+    @staticmethod
+    def _set_attrs(session: Session, table: Any, trial_id: int, attrs: Mapping[str, Any]) -> None:
+        if not attrs:
+            return
+        existing = {
+            row.key: row for row in session.scalars(select(table).where(table.trial_id == trial_id, table.key.in_(attrs)))
+        }
+        for key, value in attrs.items():
+            if key in existing:
+                existing[key].value_json = json.dumps(value)
+            else:
+                session.add(table(trial_id=trial_id, key=key, value_json=json.dumps(value)))
+
+    # -- ending --------------------------------------------------------------------------------
+    def tell(
+        self,
+        session: Session,
+        trial_id: int,
+        state: OptunaState,
+        values: Sequence[float] | float | None = None,
+    ) -> None:
+        """End a running trial, as ``Study.tell``: the sampler's ``after_trial`` runs too.
+
+        A value that is not finite ends the trial FAIL, as Optuna does. A trial that has
+        already ended is left as it is.
+        """
+        memory_id = self._to_memory[trial_id]
+        if self._memory.get_trial(memory_id).state.is_finished():
+            return
+        if isinstance(values, (int, float)):
+            values = [float(values)]
+        if state == OptunaState.COMPLETE and (values is None or not all(math.isfinite(v) for v in values)):
+            state, values = OptunaState.FAIL, None
+        try:
+            self.study.tell(self._memory.get_trial(memory_id).number, values if state == OptunaState.COMPLETE else None, state=state)
+        except RuntimeError:
+            # A sampler may stop the study from after_trial (GridSampler, BruteForceSampler
+            # call Study.stop, which raises outside Study.optimize); the trial has ended.
+            pass
+        frozen = self._memory.get_trial(memory_id)
+        row = session.get(rdb.TrialModel, trial_id)
+        row.state, row.datetime_complete = frozen.state, frozen.datetime_complete or datetime.now()
+        if frozen.values is not None:
+            table = rdb.TrialValueModel
+            for objective, value in enumerate(frozen.values):
+                stored, kind = table.value_to_stored_repr(value)
+                session.add(table(trial_id=trial_id, objective=objective, value=stored, value_type=kind))
