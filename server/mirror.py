@@ -72,7 +72,12 @@ class StudyMirror:
         self._db_study_id = study_id
         self._memory = optuna.storages.InMemoryStorage()
         name = storage.get_study_name_from_id(study_id)
-        memory_study_id = self._memory.create_new_study(storage.get_study_directions(study_id), name)
+        verbosity = optuna.logging.get_verbosity()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # "a new study created in memory" is no news
+        try:
+            memory_study_id = self._memory.create_new_study(storage.get_study_directions(study_id), name)
+        finally:
+            optuna.logging.set_verbosity(verbosity)
         for key, value in storage.get_study_system_attrs(study_id).items():
             self._memory.set_study_system_attr(memory_study_id, key, value)
         for key, value in storage.get_study_user_attrs(study_id).items():
