@@ -108,8 +108,8 @@ def fit_points(points: Mapping[int, float], prior_marginal_cost: float = DEFAULT
     The curve is linear in B once inverted: ``B / T(B) = (1 − c) / T1 + (c / T1) · B``, so
     with two or more sizes measured a least-squares line through ``(B, B / T(B))`` gives
     both T1 and c. With one size only, c stays ``prior_marginal_cost`` and T1 follows from
-    the measurement. A fit that comes out unphysical (c outside (0, 1], from noise) keeps
-    the measured T1 of the smallest size and the prior c.
+    the measurement. A fit with c > 1 (fused arrays slower than a solo model) is c = 1: the
+    scheduler then runs the class unfused. One with c < 0 (noise) keeps the prior c.
 
     Raises:
         ValueError: no point, or a point that is not a positive number.
@@ -126,6 +126,8 @@ def fit_points(points: Mapping[int, float], prior_marginal_cost: float = DEFAULT
         if slope > 0 and intercept >= 0:
             solo = 1.0 / (intercept + slope)
             return SpeedupCurve(solo, min(1.0, max(_MIN_MARGINAL_COST, slope * solo)))
+        if slope > 0:  # c > 1: larger arrays ran slower than one model alone, fusing does not pay
+            return SpeedupCurve(points[sizes[0]], 1.0)
     b = sizes[0]
     c = prior_marginal_cost
     return SpeedupCurve(points[b] * (1.0 + c * (b - 1)) / b, c)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import SpeedupCurve, ThroughputModel
+from scheduler import SpeedupCurve, ThroughputModel, fit_points
 
 
 def test_curve_matches_hfta_calibration_points() -> None:
@@ -81,3 +81,26 @@ def test_fit_curve_from_dry_run() -> None:
     assert fit_curve(10.0, {1: 10.0}).marginal_cost == 0.5  # no fused size: the prior
     with pytest.raises(ValueError):
         fit_curve(0.0, {})
+
+
+def test_fit_points_recovers_the_curve_real_arrays_measured() -> None:
+    truth = SpeedupCurve(1322.0, 0.133)  # digits MLP on one CPU thread: B=32 at 8,240 models·steps/s
+    fitted = fit_points({b: truth.rate(b) for b in (1, 8, 32)})
+    assert fitted.solo_steps_per_s == pytest.approx(1322.0)
+    assert fitted.marginal_cost == pytest.approx(0.133)
+    # Two sizes without B = 1 still pin both numbers down.
+    assert fit_points({16: truth.rate(16), 32: truth.rate(32)}).marginal_cost == pytest.approx(0.133)
+
+
+def test_fit_points_with_one_size_keeps_the_prior_marginal_cost() -> None:
+    fitted = fit_points({16: 4000.0}, prior_marginal_cost=0.1)
+    assert fitted.marginal_cost == 0.1
+    assert fitted.rate(16) == pytest.approx(4000.0)
+    # Noise that would make fusing cost more than a solo model (c > 1) is clamped to c = 1.
+    assert fit_points({1: 1000.0, 8: 500.0}).marginal_cost == 1.0
+
+
+@pytest.mark.parametrize("points", [{}, {0: 10.0}, {4: -1.0}, {4: float("nan")}])
+def test_fit_points_rejects_what_no_array_can_measure(points: dict[int, float]) -> None:
+    with pytest.raises(ValueError, match="points"):
+        fit_points(points)
