@@ -1,0 +1,745 @@
+"""End-to-end sweep time: fusetune (fused and unfused) against Ray Tune + OptunaSearch.
+
+Runs the same sweeps, on the same machine, through three systems and prints what each
+took, how good its best trial was and how busy the CPUs were:
+
+- **fusetune**: ``fusetune serve`` is started as a subprocess on a free loopback port with
+  a fresh database (a new SQLite file, or PostgreSQL after ``DROP SCHEMA public CASCADE``),
+  one untimed warm-up sweep (8 trials x 1 epoch) starts its Ray worker actors, and then
+  every sweep is ``POST /api/v1/studies`` against the server already up: the wall time runs
+  from just before the POST until ``GET /api/v1/studies/{id}`` says ``COMPLETE`` (polled
+  every 20 ms). The best value is the study's ``best_trial.value``; arrays and their
+  ``timings`` (per-phase seconds, where the server reports them) come from
+  ``GET /api/v1/arrays?study_id=``.
+- **fusetune unfused**: the same, with ``"max_array_size": 1`` in the POST (the control).
+- **raytune**: ``ray.tune.Tuner`` over a function trainable that trains the very same
+  registered workload (model, search space, data, loss, metric, optimizer, batch size) one
+  trial per process with ``torch.set_num_threads(1)``, searched by ``OptunaSearch`` with a
+  seeded ``TPESampler`` and the workload's define-by-run space, ``max_concurrent_trials`` =
+  cores, one CPU per trial, ``reuse_actors=True`` and otherwise Ray's defaults (its
+  per-trial result loggers included). ``ray.init`` happens once, an untimed 8 x 1 warm-up
+  fit runs first, and only ``tuner.fit()`` is timed. Its best value is the best over
+  trials of each trial's *last* reported value (the metric after its final epoch, which
+  is also what fusetune records as a trial's value).
+
+CPU utilisation is system-wide, from /proc/stat between the start and the end of a timed
+sweep: busy / total jiffies over all cores. Other load on the machine shows up in it.
+
+Sweeps (``--sweeps``): mlp-64x10 and cnn-32x5 over every seed of ``--seeds``; mlp-256x10 and
+mlp-512x10 with the first seed only, to show how the time grows with the number of trials.
+
+Usage: python benchmarks/e2e.py                                  # everything, SQLite and PostgreSQL
+       python benchmarks/e2e.py --quick --backends sqlite        # mlp-64x10, one seed
+       python benchmarks/e2e.py --systems raytune --sweeps mlp-64x10 --seeds 0
+       python benchmarks/e2e.py --skip-raytune-scaling --json results.json
+       [--postgres-url URL] [--workers N] [--max-array-size B] [--sweep-timeout S]
+
+``ray[tune]`` (the ``bench`` extra) is installed into this interpreter at start-up when
+``import ray.tune`` fails. PostgreSQL's ``public`` schema at ``--postgres-url`` is emptied:
+point it at a database that holds nothing you want to keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Run as a script, this file's directory is sys.path[0] and benchmarks/fusion.py would
+# shadow the fusion package (and Ray copies the driver's sys.path into its workers).
+_HERE = pathlib.Path(__file__).resolve().parent
+REPO = _HERE.parent
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+
+DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+SYSTEMS = ("fusetune", "unfused", "raytune")
+SYSTEM_LABELS = {"fusetune": "fusetune", "unfused": "fusetune unfused", "raytune": "Ray Tune + Optuna"}
+#: The order timing keys are printed in; keys the server reports beyond these follow, sorted.
+TIMING_ORDER = ("train_s", "eval_s", "report_s", "checkpoint_s", "sizing_s", "build_s", "wait_s")
+POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    workload: str
+    n_trials: int
+    epochs: int
+    scaling: bool = False  # run with the first seed only; the Ray Tune runs of it can be skipped
+
+
+SWEEPS = {
+    s.name: s
+    for s in (
+        Sweep("mlp-64x10", "digits-mlp", 64, 10),
+        Sweep("cnn-32x5", "digits-cnn", 32, 5),
+        Sweep("mlp-256x10", "digits-mlp", 256, 10, scaling=True),
+        Sweep("mlp-512x10", "digits-mlp", 512, 10, scaling=True),
+    )
+}
+WARMUP = Sweep("warmup-8x1", "digits-mlp", 8, 1)
+
+
+@dataclass
+class Run:
+    """One timed sweep of one system."""
+
+    system: str
+    backend: str  # sqlite / postgres for fusetune, "-" for Ray Tune
+    sweep: str
+    seed: int
+    wall_s: float
+    best_value: float | None
+    cpu_util: float
+    n_arrays: int | None = None
+    mean_array_size: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # summed over the study's arrays
+    workers: int | None = None
+    trial_counts: dict[str, int] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def ensure_ray_tune() -> None:
+    """Install the ``bench`` extra (ray[tune]) into this interpreter if ``ray.tune`` does not import."""
+    try:
+        import ray.tune  # noqa: F401
+        import ray.tune.search.optuna  # noqa: F401
+        return
+    except ImportError as exc:
+        print(f"ray.tune does not import ({exc}); installing the bench extra ...", flush=True)
+    started = time.monotonic()
+    # constraints.txt pins torch to the local CPU wheel; without it pip may pull a CUDA build.
+    subprocess.check_call(
+        [sys.executable, "-m", "pip", "install", "--quiet", "-c", "constraints.txt", "-e", ".[bench]"], cwd=REPO
+    )
+    print(f"installed ray[tune] in {time.monotonic() - started:.0f} s; restarting", flush=True)
+    # Start afresh rather than re-import: ray (with its C extension) is already half imported.
+    os.execv(sys.executable, [sys.executable, str(pathlib.Path(__file__).resolve()), *sys.argv[1:]])
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores, RAM and the versions that matter, for the header and the JSON."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.processor() or "unknown")
+    mem_kb = 0
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        meminfo = pathlib.Path("/proc/meminfo").read_text().splitlines()
+        mem_kb = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1])
+    versions = {}
+    for dist in ("torch", "ray", "optuna", "fastapi", "sqlalchemy"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True)
+    return {
+        "cpu_model": model,
+        "cores": os.cpu_count(),
+        "ram_gib": round(mem_kb / 2**20, 1),
+        "python": platform.python_version(),
+        "versions": versions,
+        "commit": commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else ""),
+    }
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies over all cores from /proc/stat's aggregate ``cpu`` line."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest and guest_nice are already in user/nice)
+    total = sum(fields[:8])
+    idle = fields[3] + fields[4]
+    return total - idle, total
+
+
+def utilisation(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Busy share (0-100 %) of all cores between two :func:`cpu_times` readings."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return 100.0 * busy / total if total > 0 else math.nan
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes of session ``sid`` (one this script created with ``start_new_session``)."""
+    pids = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session
+            if int(fields[3]) == sid and int(stat.parent.name) != os.getpid():
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reset_postgres(url: str) -> None:
+    """Empty the database: every table (fusetune's and Optuna's) goes with the public schema."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("DROP SCHEMA public CASCADE"))
+            conn.execute(sa.text("CREATE SCHEMA public"))
+    finally:
+        engine.dispose()
+
+
+# ----------------------------------------------------------------------------- fusetune
+
+
+class FusetuneServer:
+    """``fusetune serve`` in a subprocess (its own session, so its Ray processes can be ended with it)."""
+
+    def __init__(self, database_url: str, workdir: pathlib.Path, workers: int, max_array_size: int | None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "server.log"
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(
+            FUSETUNE_DATABASE_URL=database_url,
+            FUSETUNE_HOST="127.0.0.1",
+            FUSETUNE_PORT=str(self.port),
+            FUSETUNE_ARTIFACT_DIR=str(workdir / "artifacts"),
+            FUSETUNE_CPU_WORKERS=str(workers),
+        )
+        if max_array_size is not None:
+            env["FUSETUNE_MAX_ARRAY_SIZE"] = str(max_array_size)
+        exe = pathlib.Path(sys.executable).with_name("fusetune")
+        cmd = [str(exe), "serve"] if exe.exists() else [sys.executable, "-m", "server.cli", "serve"]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.client = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the server's log without uvicorn's access lines (the 20 ms polls drown the rest)."""
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join([line for line in text if not line.startswith("INFO:     127.0.0.1:")][-lines:])
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"fusetune serve exited with {self.proc.returncode}; its log ends:\n{self.log_tail()}")
+
+    def wait_healthy(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            with contextlib.suppress(httpx.TransportError):
+                r = self.client.get("/healthz")
+                if r.status_code == 200:
+                    return r.json()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fusetune serve did not answer /healthz in {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM (uvicorn shuts the pool and Ray down), then SIGKILL whatever of its session is left."""
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # Ray's raylet, GCS and workers stay in the server's session (its actors in process
+        # groups of their own); end whatever of it is left behind.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            left = session_pids(self.proc.pid)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            if left:
+                time.sleep(3)
+        self._log.close()
+
+
+def run_study(server: FusetuneServer, sweep: Sweep, seed: int, label: str, args: argparse.Namespace,
+              max_array_size: int | None = None) -> tuple[float, float, dict[str, Any]]:
+    """Submit one sweep and wait for it: (wall seconds, CPU utilisation %, final study JSON).
+
+    Fails when the study is not COMPLETE after ``--sweep-timeout`` seconds, or when its trial
+    counts have not moved for ``--stall-timeout`` seconds (a server whose scheduling loop
+    keeps failing never finishes).
+    """
+    body: dict[str, Any] = {
+        "workload": sweep.workload,
+        "n_trials": sweep.n_trials,
+        "epochs": sweep.epochs,
+        "sampler": {"name": "TPESampler", "kwargs": {"seed": seed}},
+        "name": f"bench-{label}-{sweep.name}-s{seed}-{uuid.uuid4().hex[:6]}",
+    }
+    if max_array_size is not None:
+        body["max_array_size"] = max_array_size
+    cpu0 = cpu_times()
+    start = time.perf_counter()
+    r = server.client.post("/api/v1/studies", json=body)
+    if r.status_code != 201:
+        raise RuntimeError(f"POST /api/v1/studies answered {r.status_code}: {r.text}")
+    study_id = r.json()["id"]
+    deadline = time.monotonic() + args.sweep_timeout
+    counts, moved = None, time.monotonic()
+    while True:
+        study = server.client.get(f"/api/v1/studies/{study_id}").raise_for_status().json()
+        if study["state"] == "COMPLETE":
+            break
+        now = time.monotonic()
+        if study["trial_counts"] != counts:
+            counts, moved = study["trial_counts"], now
+        if now > deadline or now - moved > args.stall_timeout:
+            why = "not COMPLETE after" if now > deadline else "no trial changed state for"
+            raise RuntimeError(f"study {study_id} ({body['name']}): {why} "
+                               f"{min(now - start, now - moved):.0f} s, trial counts {counts}; "
+                               f"the server's log ends:\n{server.log_tail()}")
+        server.check_alive()
+        time.sleep(POLL_S)
+    wall = time.perf_counter() - start
+    return wall, utilisation(cpu0, cpu_times()), study
+
+
+def study_arrays(server: FusetuneServer, study_id: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """The study's arrays once none is RUNNING (an array's record may close just after its last trial)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        arrays = server.client.get("/api/v1/arrays", params={"study_id": study_id}).raise_for_status().json()
+        if all(a["state"] != "RUNNING" for a in arrays) or time.monotonic() > deadline:
+            return arrays
+        time.sleep(0.1)
+
+
+def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: list[int], systems: list[str],
+                   args: argparse.Namespace) -> list[Run]:
+    """Every (sweep, seed) through one server that stays up; fused and unfused runs interleaved."""
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix=f"fusetune-e2e-{backend}-") as tmp:
+        if backend == "postgres":
+            reset_postgres(database_url)
+        server = FusetuneServer(database_url, pathlib.Path(tmp), args.workers, args.max_array_size)
+        try:
+            health = server.wait_healthy(args.startup_timeout)
+            workers = int(health["workers"])
+            print(f"\n[{backend}] fusetune serve at {server.url}: database {health['database']}, "
+                  f"{workers} workers; warm-up sweep {WARMUP.name} ...", flush=True)
+            wall, _, _ = run_study(server, WARMUP, 0, "warmup", args)
+            print(f"[{backend}] warm-up took {wall:.1f} s (untimed)", flush=True)
+            for sweep in sweeps:
+                for seed in seeds_of(sweep, seeds):
+                    for system in systems:
+                        if system == "raytune":
+                            continue
+                        cap = 1 if system == "unfused" else None
+                        wall, util, study = run_study(server, sweep, seed, system, args, cap)
+                        arrays = study_arrays(server, study["id"])
+                        timings: dict[str, float] = {}
+                        for a in arrays:
+                            for key, value in (a.get("timings") or {}).items():
+                                if isinstance(value, int | float):
+                                    timings[key] = timings.get(key, 0.0) + float(value)
+                        best = study.get("best_trial") or {}
+                        run = Run(
+                            system=system, backend=backend, sweep=sweep.name, seed=seed, wall_s=wall,
+                            best_value=best.get("value"), cpu_util=util, n_arrays=len(arrays),
+                            mean_array_size=statistics.fmean(a["size"] for a in arrays) if arrays else None,
+                            timings=timings, workers=workers, trial_counts=study.get("trial_counts", {}),
+                        )
+                        runs.append(run)
+                        print_progress(run)
+        finally:
+            server.stop()
+    return runs
+
+
+# ----------------------------------------------------------------------------- Ray Tune
+
+
+def raytune_trial(config: dict[str, Any], workload_name: str, epochs: int, seed: int) -> None:
+    """One trial as a Ray Tune function trainable: the workload trained the way a user would write it.
+
+    Same data, model, loss, metric, optimizer, batch size and per-epoch validation as a
+    fusetune member; data are whole tensors indexed by a fresh permutation each epoch, as
+    fusetune's workers do, so neither side pays a DataLoader.
+    """
+    import torch
+    from ray import tune
+
+    from workers.workloads import get_workload
+
+    torch.set_num_threads(1)
+    workload = get_workload(workload_name)
+    params = dict(config)
+    # A seed per trial from the sweep seed and the trial's params: reproducible, distinct per trial.
+    trial_seed = (seed * 1_000_003 + zlib.crc32(json.dumps(params, sort_keys=True).encode())) % 2**31
+    torch.manual_seed(trial_seed)
+    generator = torch.Generator().manual_seed(trial_seed)
+    train, val = workload.datasets()
+    x, y = train.tensors
+    x_val, y_val = val.tensors
+    model = workload.build_model(params)
+    names = {"sgd": ("lr", "momentum", "weight_decay"), "adam": ("lr", "weight_decay")}[workload.optimizer]
+    hparams = {n: params.get(n, workload.optimizer_defaults.get(n)) for n in names}
+    hparams = {n: v for n, v in hparams.items() if v is not None}  # torch's default for the rest
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[workload.optimizer]
+    optimizer = cls(model.parameters(), **hparams)
+    batch_size = workload.batch_size_for(params)
+    for _ in range(epochs):
+        model.train()
+        order = torch.randperm(len(y), generator=generator)
+        for begin in range(0, len(y), batch_size):
+            idx = order[begin : begin + batch_size]
+            loss = workload.loss(model(x[idx]), y[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            value = float(workload.metric(model(x_val), y_val))
+        tune.report({"value": value})
+
+
+class WorkloadSpace:
+    """The workload's define-by-run search space, as OptunaSearch's ``space``.
+
+    A module-level class rather than a closure: Tune's experiment checkpoints pickle the
+    searcher with plain ``pickle``. Returning None makes OptunaSearch build the config from
+    what was suggested.
+    """
+
+    def __init__(self, workload_name: str) -> None:
+        self.workload_name = workload_name
+
+    def __call__(self, trial: Any) -> None:
+        from workers.workloads import get_workload
+
+        get_workload(self.workload_name).search_space(trial)
+        return None
+
+
+def make_trainable(workload_name: str, epochs: int, seed: int) -> Any:
+    """The trainable with the sweep's constants bound (OptunaSearch's config holds only the searched params)."""
+    from ray import tune
+
+    return tune.with_resources(
+        tune.with_parameters(raytune_trial, workload_name=workload_name, epochs=epochs, seed=seed), {"cpu": 1}
+    )
+
+
+def run_raytune(sweep: Sweep, seed: int, storage: pathlib.Path) -> tuple[float, float, float | None, int]:
+    """One sweep through Ray Tune: (wall seconds of fit(), CPU utilisation %, best value, errored trials)."""
+    import optuna
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    from workers.workloads import get_workload
+
+    workload = get_workload(sweep.workload)
+    mode = "max" if workload.direction == "maximize" else "min"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created in memory" per fit
+    search = OptunaSearch(space=WorkloadSpace(sweep.workload), metric="value", mode=mode,
+                          sampler=optuna.samplers.TPESampler(seed=seed))
+    tuner = tune.Tuner(
+        make_trainable(sweep.workload, sweep.epochs, seed),
+        tune_config=tune.TuneConfig(
+            num_samples=sweep.n_trials,
+            max_concurrent_trials=os.cpu_count(),
+            search_alg=search,
+            reuse_actors=True,
+        ),
+        run_config=tune.RunConfig(
+            name=f"{sweep.name}-s{seed}-{uuid.uuid4().hex[:6]}", storage_path=str(storage), verbose=0
+        ),
+    )
+    cpu0 = cpu_times()
+    start = time.perf_counter()
+    grid = tuner.fit()
+    wall = time.perf_counter() - start
+    util = utilisation(cpu0, cpu_times())
+    values = [r.metrics["value"] for r in grid if r.error is None and r.metrics and "value" in r.metrics]
+    pick = max if mode == "max" else min
+    return wall, util, (pick(values) if values else None), grid.num_errors
+
+
+def bench_raytune(sweeps: list[Sweep], seeds: list[int], args: argparse.Namespace) -> list[Run]:
+    import ray
+
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="fusetune-e2e-raytune-") as tmp:
+        ray.init(include_dashboard=False)
+        try:
+            print(f"\n[raytune] Ray {ray.__version__} with {int(ray.cluster_resources().get('CPU', 0))} CPUs; "
+                  f"warm-up fit {WARMUP.name} ...", flush=True)
+            wall, *_ = run_raytune(WARMUP, 0, pathlib.Path(tmp))
+            print(f"[raytune] warm-up took {wall:.1f} s (untimed)", flush=True)
+            for sweep in sweeps:
+                if sweep.scaling and args.skip_raytune_scaling:
+                    continue
+                for seed in seeds_of(sweep, seeds):
+                    wall, util, best, errors = run_raytune(sweep, seed, pathlib.Path(tmp))
+                    run = Run(system="raytune", backend="-", sweep=sweep.name, seed=seed, wall_s=wall,
+                              best_value=best, cpu_util=util, workers=os.cpu_count(),
+                              trial_counts={"ERROR": errors} if errors else {})
+                    runs.append(run)
+                    print_progress(run)
+        finally:
+            ray.shutdown()
+    return runs
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def seeds_of(sweep: Sweep, seeds: list[int]) -> list[int]:
+    return seeds[:1] if sweep.scaling else seeds
+
+
+def print_progress(run: Run) -> None:
+    best = f"{run.best_value:.4f}" if run.best_value is not None else "-"
+    arrays = f", {run.n_arrays} arrays of {run.mean_array_size:.1f}" if run.n_arrays else ""
+    bad = {k: v for k, v in run.trial_counts.items() if k in ("FAIL", "ERROR") and v}
+    warn = f"  !! {bad}" if bad else ""
+    print(f"  {SYSTEM_LABELS[run.system]:<18} {run.backend:<8} {run.sweep:<11} seed {run.seed}: "
+          f"{run.wall_s:7.1f} s, best {best}, CPU {run.cpu_util:.0f}%{arrays}{warn}", flush=True)
+
+
+def groups(runs: list[Run]) -> dict[tuple[str, str, str], list[Run]]:
+    out: dict[tuple[str, str, str], list[Run]] = {}
+    for r in runs:
+        out.setdefault((r.system, r.backend, r.sweep), []).append(r)
+    return out
+
+
+def mean_wall(runs: list[Run]) -> float:
+    return statistics.fmean(r.wall_s for r in runs)
+
+
+def mean_best(runs: list[Run]) -> float | None:
+    values = [r.best_value for r in runs if r.best_value is not None]
+    return statistics.fmean(values) if values else None
+
+
+def aggregate(key: tuple[str, str, str], runs: list[Run]) -> dict[str, Any]:
+    walls = [r.wall_s for r in runs]
+    bests = [r.best_value for r in runs if r.best_value is not None]
+    timings: dict[str, float] = {}
+    for r in runs:
+        for k, v in r.timings.items():
+            timings[k] = timings.get(k, 0.0) + v / len(runs)
+    return {
+        "system": key[0], "backend": key[1], "sweep": key[2], "seeds": [r.seed for r in runs],
+        "wall_mean_s": statistics.fmean(walls), "wall_min_s": min(walls), "wall_max_s": max(walls),
+        "best_mean": statistics.fmean(bests) if bests else None,
+        "best_sd": statistics.stdev(bests) if len(bests) > 1 else 0.0 if bests else None,
+        "best_min": min(bests) if bests else None, "best_max": max(bests) if bests else None,
+        "arrays_mean": statistics.fmean(r.n_arrays for r in runs) if runs[0].n_arrays is not None else None,
+        "array_size_mean": (statistics.fmean(r.mean_array_size for r in runs if r.mean_array_size is not None)
+                            if any(r.mean_array_size is not None for r in runs) else None),
+        "cpu_util_mean": statistics.fmean(r.cpu_util for r in runs),
+        "timings_mean_s": timings,
+        "workers": runs[0].workers,
+    }
+
+
+def fmt(value: float | None, spec: str, none: str = "-") -> str:
+    """``format(value, spec)``, or ``none`` for a missing value."""
+    return none if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def print_tables(runs: list[Run], sweeps: list[Sweep], backends: list[str]) -> dict[str, Any]:
+    """The per-(system, sweep) table, fusetune's time breakdown and the summary; returns them for the JSON."""
+    order = {name: i for i, name in enumerate(s.name for s in sweeps)}
+    rank = {b: i for i, b in enumerate([*backends, "-"])}
+    grouped = sorted(groups(runs).items(),
+                     key=lambda kv: (order[kv[0][2]], SYSTEMS.index(kv[0][0]), rank[kv[0][1]]))
+    aggs = [aggregate(k, v) for k, v in grouped]
+
+    print("\n== Sweeps (wall time from submission to COMPLETE; best = best trial's final validation metric)")
+    header = (f"{'sweep':<11}{'system':<19}{'db':<9}{'seeds':>5}{'wall mean':>10}{'min-max':>16}"
+              f"{'best mean':>10}{'sd':>8}{'min-max':>16}{'arrays':>7}{'size':>6}{'CPU':>6}")
+    print(header)
+    print("-" * len(header))
+    for a in aggs:
+        wall_range = f"{a['wall_min_s']:.1f}-{a['wall_max_s']:.1f}"
+        best_range = (f"{a['best_min']:.4f}-{a['best_max']:.4f}" if a["best_min"] is not None else "-")
+        print(f"{a['sweep']:<11}{SYSTEM_LABELS[a['system']]:<19}{a['backend']:<9}{len(a['seeds']):>5}"
+              f"{a['wall_mean_s']:>9.1f}s{wall_range:>16}{fmt(a['best_mean'], '.4f'):>10}"
+              f"{fmt(a['best_sd'], '.4f'):>8}{best_range:>16}{fmt(a['arrays_mean'], '.1f'):>7}"
+              f"{fmt(a['array_size_mean'], '.1f'):>6}{a['cpu_util_mean']:>5.0f}%")
+
+    fused = [a for a in aggs if a["system"] != "raytune"]
+    if fused:
+        keys = [k for k in TIMING_ORDER if any(k in a["timings_mean_s"] for a in fused)]
+        keys += sorted({k for a in fused for k in a["timings_mean_s"]} - set(keys))
+        print("\n== fusetune time breakdown: seconds summed over a study's arrays (mean over seeds), "
+              "and % of wall x workers")
+        if not keys:
+            print("(the server's arrays carry no `timings`: nothing to break down)")
+        header = f"{'sweep':<11}{'system':<19}{'db':<9}{'workers':>8}" + "".join(f"{k:>18}" for k in keys) + \
+            f"{'outside train+eval':>20}"
+        print(header)
+        print("-" * len(header))
+        for a in fused:
+            capacity = a["wall_mean_s"] * (a["workers"] or 1)
+            t = a["timings_mean_s"]
+            cells = "".join(
+                f"{(f'{t[k]:.1f}s {100 * t[k] / capacity:4.0f}%' if k in t else '-'):>18}" for k in keys
+            )
+            outside = (f"{100 * (1 - (t['train_s'] + t.get('eval_s', 0.0)) / capacity):.0f}%"
+                       if "train_s" in t else "n/a")
+            a["outside_train_eval"] = (1 - (t["train_s"] + t.get("eval_s", 0.0)) / capacity) if "train_s" in t else None
+            print(f"{a['sweep']:<11}{SYSTEM_LABELS[a['system']]:<19}{a['backend']:<9}{a['workers'] or '-':>8}"
+                  f"{cells}{outside:>20}")
+
+    by_key = {(a["system"], a["backend"], a["sweep"]): a for a in aggs}
+    summary = []
+    rt = {a["sweep"]: a for a in aggs if a["system"] == "raytune"}
+    if fused:
+        print("\n== Summary: speed-up = Ray Tune's mean wall time / the system's (higher: faster than Ray Tune); "
+              "fusion gain = unfused / fused wall time; best = mean over seeds")
+        header = (f"{'sweep':<11}{'db':<9}{'fused x':>9}{'unfused x':>11}{'fusion gain':>13}"
+                  f"{'|best fused - best RT|':>24}{'|best unfused - best RT|':>26}")
+        print(header)
+        print("-" * len(header))
+    for sweep in sweeps:
+        for backend in backends:
+            f = by_key.get(("fusetune", backend, sweep.name))
+            u = by_key.get(("unfused", backend, sweep.name))
+            r = rt.get(sweep.name)
+            if not (f or u):
+                continue
+            row = {
+                "sweep": sweep.name, "backend": backend,
+                "fused_speedup": r["wall_mean_s"] / f["wall_mean_s"] if f and r else None,
+                "unfused_speedup": r["wall_mean_s"] / u["wall_mean_s"] if u and r else None,
+                "fusion_gain": u["wall_mean_s"] / f["wall_mean_s"] if f and u else None,
+                "best_diff_fused": (abs(f["best_mean"] - r["best_mean"])
+                                    if f and r and None not in (f["best_mean"], r["best_mean"]) else None),
+                "best_diff_unfused": (abs(u["best_mean"] - r["best_mean"])
+                                      if u and r and None not in (u["best_mean"], r["best_mean"]) else None),
+            }
+            summary.append(row)
+            print(f"{sweep.name:<11}{backend:<9}{times(row['fused_speedup']):>9}"
+                  f"{times(row['unfused_speedup']):>11}{times(row['fusion_gain']):>13}"
+                  f"{fmt(row['best_diff_fused'], '.4f'):>24}{fmt(row['best_diff_unfused'], '.4f'):>26}")
+
+    growth_sweeps = [s for s in sweeps if s.workload == "digits-mlp" and s.epochs == 10]
+    growth = []
+    if len(growth_sweeps) > 1:
+        print("\n== Growth: mean wall seconds per trial, digits-mlp x 10 epochs")
+        header = f"{'system':<19}{'db':<9}" + "".join(f"{s.n_trials:>10}" for s in growth_sweeps)
+        print(header)
+        print("-" * len(header))
+        for system in SYSTEMS:
+            for backend in (["-"] if system == "raytune" else backends):
+                cells = [by_key.get((system, backend, s.name)) for s in growth_sweeps]
+                if not any(cells):
+                    continue
+                per_trial = {s.n_trials: (c["wall_mean_s"] / s.n_trials if c else None)
+                             for s, c in zip(growth_sweeps, cells, strict=True)}
+                growth.append({"system": system, "backend": backend, "s_per_trial": per_trial})
+                print(f"{SYSTEM_LABELS[system]:<19}{backend:<9}"
+                      + "".join(f"{fmt(v, '.3f'):>10}" for v in per_trial.values()))
+    return {"aggregates": aggs, "summary": summary, "growth": growth}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _terminate_on_sigterm(signum: int, frame: Any) -> None:
+    # Turn SIGTERM into SystemExit so the finally blocks stop the server and remove temp dirs.
+    raise SystemExit(128 + signum)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweeps", default=",".join(SWEEPS), help=f"comma-separated, of: {', '.join(SWEEPS)}")
+    parser.add_argument("--seeds", default="0,1,2", help="TPE seeds (scaling sweeps use the first only)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}")
+    parser.add_argument("--backends", default="sqlite,postgres", help="fusetune's databases: sqlite, postgres")
+    parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL,
+                        help="PostgreSQL database whose public schema is dropped and recreated")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="FUSETUNE_CPU_WORKERS (default: one per core, as Ray Tune runs one trial per core)")
+    parser.add_argument("--max-array-size", type=int, default=None,
+                        help="FUSETUNE_MAX_ARRAY_SIZE for the server (default: the server's)")
+    parser.add_argument("--skip-raytune-scaling", action="store_true",
+                        help="do not run Ray Tune on mlp-256x10 and mlp-512x10")
+    parser.add_argument("--quick", action="store_true", help="mlp-64x10 with the first seed only")
+    parser.add_argument("--startup-timeout", type=float, default=180.0)
+    parser.add_argument("--sweep-timeout", type=float, default=3600.0, help="seconds one fusetune sweep may take")
+    parser.add_argument("--stall-timeout", type=float, default=300.0,
+                        help="give up on a fusetune sweep whose trial counts have not changed for this long")
+    parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    names = args.sweeps.split(",")
+    if args.quick:
+        seeds, names = seeds[:1], ["mlp-64x10"]
+    unknown = [n for n in names if n not in SWEEPS]
+    systems = args.systems.split(",")
+    backends = args.backends.split(",") if any(s != "raytune" for s in systems) else []
+    if unknown or set(systems) - set(SYSTEMS) or set(backends) - {"sqlite", "postgres"}:
+        parser.error(f"unknown sweep, system or backend in {names}, {systems}, {backends}")
+    sweeps = [SWEEPS[n] for n in names]
+
+    signal.signal(signal.SIGTERM, _terminate_on_sigterm)
+    if "raytune" in systems:
+        ensure_ray_tune()
+    info = machine()
+    v = info["versions"]
+    print(f"machine: {info['cpu_model']}, {info['cores']} cores, {info['ram_gib']} GiB RAM; Python {info['python']}, "
+          f"torch {v['torch']}, ray {v['ray']}, optuna {v['optuna']}; fusetune {info['commit']}")
+    print(f"sweeps: {', '.join(names)}; seeds {seeds}; systems {', '.join(systems)}; fusetune databases "
+          f"{', '.join(backends) or '-'}; {args.workers} fusetune CPU workers, Ray Tune {os.cpu_count()} "
+          f"concurrent trials")
+
+    runs: list[Run] = []
+    for backend in backends:
+        if backend == "sqlite":
+            with tempfile.TemporaryDirectory(prefix="fusetune-e2e-db-") as db:
+                runs += bench_fusetune(backend, f"sqlite:///{db}/fusetune.db", sweeps, seeds, systems, args)
+        else:
+            runs += bench_fusetune(backend, args.postgres_url, sweeps, seeds, systems, args)
+    if "raytune" in systems:
+        runs += bench_raytune(sweeps, seeds, args)
+
+    tables = print_tables(runs, sweeps, backends)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
+                                         "runs": [asdict(r) for r in runs], **tables}, indent=2))
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
