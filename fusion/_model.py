@@ -23,17 +23,18 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._errors import FusionError, FusionWarning
+from ._layout import check_same_layout, module_label as _module_label
 from .nn import TWINS, FusedLayer, pin_composable_paths
-from .nn._base import check_same_config
 from .nn._fallback import PerMemberFallback, make_fallback, member_tensors
 
 
-def _module_label(path: str, module: nn.Module) -> str:
-    return f"submodule '{path or '<root>'}' ({type(module).__name__})"
-
-
 def _check_members(models: Sequence[nn.Module], reference: nn.Module | None = None) -> None:
-    """Validate that ``models`` (and ``reference``, if given) can share one fused model."""
+    """Validate that ``models`` (and ``reference``, if given) can share one fused model.
+
+    The rule itself is :func:`fusion.layout` (equal layouts, same classes); it is
+    enforced here, before anything is built, so that the fused tree never refuses
+    members the scheduler's signature (which hashes the same layout) packed together.
+    """
     if len(models) < 1:
         raise FusionError("fusion needs at least one model")
     first = reference if reference is not None else models[0]
@@ -45,28 +46,21 @@ def _check_members(models: Sequence[nn.Module], reference: nn.Module | None = No
                 f"member {b} is a {type(m).__name__} but member 0 is a {type(first).__name__}; "
                 "all members must be instances of the same class"
             )
-    ref_shapes = {k: tuple(v.shape) for k, v in first.state_dict(keep_vars=True).items()}
-    for b, m in enumerate(models):
-        shapes = {k: tuple(v.shape) for k, v in m.state_dict(keep_vars=True).items()}
-        # Model order, so the first reported mismatch is the first in the model.
-        for name in list(ref_shapes) + [k for k in shapes if k not in ref_shapes]:
-            if ref_shapes.get(name) != shapes.get(name):
-                raise FusionError(
-                    f"parameter or buffer '{name}' has shape {ref_shapes.get(name)} in member 0 "
-                    f"but {shapes.get(name)} in member {b}; members must have identical shapes"
-                )
+    check_same_layout(models, first)
     # A parameter owned by two different modules (weight tying) cannot be
-    # stacked once per twin without breaking the tie.
-    owner: dict[int, str] = {}
-    for path, mod in first.named_modules(remove_duplicate=True):
-        for pname, p in mod.named_parameters(recurse=False):
-            full = f"{path}.{pname}" if path else pname
-            if id(p) in owner:
-                raise FusionError(
-                    f"parameter '{full}' is tied to '{owner[id(p)]}'; tied parameters are not "
-                    "supported by fusion"
-                )
-            owner[id(p)] = full
+    # stacked once per twin without breaking the tie. Every member is checked:
+    # layouts do not record ties, and a tie only in member b would be broken too.
+    for m in models:
+        owner: dict[int, str] = {}
+        for path, mod in m.named_modules(remove_duplicate=True):
+            for pname, p in mod.named_parameters(recurse=False):
+                full = f"{path}.{pname}" if path else pname
+                if id(p) in owner:
+                    raise FusionError(
+                        f"parameter '{full}' is tied to '{owner[id(p)]}'; tied parameters are not "
+                        "supported by fusion"
+                    )
+                owner[id(p)] = full
 
 
 def _build_fused_tree(
@@ -76,7 +70,9 @@ def _build_fused_tree(
 
     A module that owns parameters or buffers but has no twin is refused, or
     with ``fallback`` runs once per member (see :mod:`fusion.nn._fallback`);
-    those are listed in ``notes`` for the caller to warn about.
+    those are listed in ``notes`` for the caller to warn about. Callers have
+    checked ``models`` with :func:`_check_members`, so the tree is built from
+    members that agree on every class and shared attribute.
     """
     root = copy.deepcopy(models[0])
     memo: dict[int, nn.Module] = {}
@@ -84,15 +80,6 @@ def _build_fused_tree(
     def own_state(mod: nn.Module) -> list[str]:
         own = [n for n, _ in mod.named_parameters(recurse=False)]
         return own + [n for n, t in mod.named_buffers(recurse=False) if t is not None]
-
-    def check_plain(path: str, members: list[nn.Module]) -> None:
-        mod = members[0]
-        for b, m in enumerate(members[1:], start=1):
-            if type(m) is not type(mod):
-                raise FusionError(
-                    f"{_module_label(path, mod)} is a {type(m).__name__} in member {b}"
-                )
-        check_same_config(members, path)
 
     def unsupported(path: str, mod: nn.Module) -> FusionError:
         return FusionError(
@@ -104,7 +91,6 @@ def _build_fused_tree(
         )
 
     def per_member(path: str, members: list[nn.Module]) -> nn.Module:
-        check_plain(path, members)
         if notes is not None:
             notes.append(_module_label(path, members[0]))
         return make_fallback(members, path)
@@ -127,7 +113,6 @@ def _build_fused_tree(
                     raise unsupported(cpath, child)
                 memo[key] = per_member(cpath, members)
             else:
-                check_plain(cpath, members)
                 visit(cpath, child)
                 pin_composable_paths(child)
                 continue
@@ -143,7 +128,6 @@ def _build_fused_tree(
         if not fallback:
             raise unsupported("", root)
         return per_member("", list(models))
-    check_plain("", list(models))
     visit("", root)
     pin_composable_paths(root)
     return root
@@ -425,13 +409,9 @@ class FusedModel(nn.Module):
         """Append new members (fresh models of the same class and shapes)."""
         models = list(models)
         template: nn.Module = self.__dict__["_template"]
+        # Same rule as fuse(): new members must have the existing ones' layout
+        # (shapes, strides, eps, slopes, ...; per-member settings may differ).
         _check_members(models, reference=template)
-        # New members must be configured like the existing ones (strides, eps,
-        # slopes, ...), except for the settings twins hold per member.
-        for path, mod in template.named_modules():
-            twin_type = TWINS.get(type(mod))
-            ignore = twin_type.per_member_attrs if twin_type is not None else frozenset()
-            check_same_config([mod] + [m.get_submodule(path) for m in models], path, ignore=ignore)
         notes: list[str] = []
         new_tree = _build_fused_tree(models, self._fallback, notes)
         _warn_fallbacks(notes, stacklevel=2)

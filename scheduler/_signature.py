@@ -1,14 +1,19 @@
 """Shape signatures: the key that decides which trials may be fused into one array.
 
-Two trials can be horizontally fused (HFTA) only if every operator of their models has the
-same type, the same parameter/buffer shapes and dtypes, the same structural configuration
-(stride, padding, ...), and the whole array shares the same array-wide settings (batch size,
-optimizer type, epochs, ...).  A :class:`Signature` captures exactly that, and its
-``digest`` is the string the packer and the scheduler group by.
+Two trials can be horizontally fused (HFTA) only if the fusion engine accepts their models
+as members of one fused model, and the whole array shares the same array-wide settings
+(batch size, optimizer type, epochs, ...) and parameter/buffer dtypes.  Which models the
+engine accepts is decided by one rule that lives in the engine, :func:`fusion.layout` (per
+submodule: class, parameter and buffer shapes, and every plain attribute members must
+share); the signature hashes that layout rather than restating it, so trials with equal
+digests are never packed into an array that ``fusion.fuse`` then refuses.  A
+:class:`Signature` captures all of it, and its ``digest`` is the string the packer and the
+scheduler group by.
 
-Per-trial numeric hyper-parameters that do not change any shape (learning rate, weight
-decay, ...) are deliberately *not* part of the signature: HFTA's fused optimizers keep one
-value per member, so such trials still fuse.
+Per-trial numeric hyper-parameters that the engine keeps per member are deliberately *not*
+part of the signature: the learning rate, weight decay, ... of HFTA's fused optimizers, and
+the module attributes fused twins hold per member (Dropout ``p``, BatchNorm ``momentum``),
+which the layout leaves out.  Such trials still fuse.
 """
 
 from __future__ import annotations
@@ -24,58 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Signature", "shape_signature", "fusible_params", "canonical_json"]
+from fusion import layout as fusion_layout
 
-# Module attributes that change which kernel runs, or that one fused kernel call must
-# share, so two modules that differ in one of them cannot share a fused operator even
-# when their weight shapes match (e.g. Conv2d stride 1 vs 2, MaxPool kernel 2 vs 3, which
-# has no weights at all, or LayerNorm eps).  Dropout p and BatchNorm momentum are absent
-# on purpose: the fusion engine keeps one value per member.
-_STRUCTURAL_ATTRS: tuple[str, ...] = (
-    "kernel_size",
-    "stride",
-    "padding",
-    "dilation",
-    "groups",
-    "output_padding",
-    "padding_mode",
-    "ceil_mode",
-    "count_include_pad",
-    "return_indices",
-    "output_size",
-    "scale_factor",
-    "mode",
-    "align_corners",
-    "num_heads",
-    "batch_first",
-    "bidirectional",
-    "num_layers",
-    "proj_size",
-    "norm_first",
-    "affine",
-    "track_running_stats",
-    "elementwise_affine",
-    "padding_idx",
-    "max_norm",
-    "sparse",
-    "start_dim",
-    "end_dim",
-    "dim",
-    # Numeric configuration the fusion engine refuses to differ per member (it fuses
-    # one kernel call with one value): normalisation eps, activation shapes.
-    "eps",
-    "negative_slope",
-    "approximate",
-    "alpha",
-    "beta",
-    "threshold",
-    "lambd",
-    "min_val",
-    "max_val",
-    "lower",
-    "upper",
-    "nonlinearity",
-)
+__all__ = ["Signature", "shape_signature", "fusible_params", "canonical_json"]
 
 _DIGEST_HEX_CHARS = 16  # 64 bits: collisions are negligible for the signatures one service sees
 
@@ -90,8 +46,10 @@ class Signature:
             ``(path, type_name, ((tensor_name, shape), ...))`` with parameters then buffers.
         settings: sorted ``(key, canonical_json_value)`` items of the array-wide settings.
         dtypes: ``(qualified_tensor_name, dtype)`` for every parameter and buffer.
-        attrs: ``(path, ((attr, canonical_json_value), ...))`` structural attributes of
-            modules that have any (conv stride, pooling kernel, ...).
+        attrs: ``(path, ((attr, canonical_json_value), ...))``, sorted by attribute, for
+            every module that has any: the attributes members must share according to
+            :func:`fusion.layout` (conv stride, pooling kernel, ReLU ``inplace``, a user
+            module's ``self.scale``, ...; not Dropout ``p`` or BatchNorm ``momentum``).
     """
 
     digest: str
@@ -142,20 +100,11 @@ def canonical_json(value: Any) -> str:
     return json.dumps(_canonical(value), sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def _shape(tensor: torch.Tensor, qualified: str) -> tuple[int, ...]:
-    if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
-        raise ValueError(
-            f"tensor {qualified!r} is uninitialized (lazy module); materialise the model "
-            "(e.g. run one forward pass on meta tensors) before taking its signature"
-        )
-    return tuple(int(d) for d in tensor.shape)
-
-
 def shape_signature(model: nn.Module, settings: Mapping[str, Any]) -> Signature:
     """Compute the fusion signature of ``model`` trained under array-wide ``settings``.
 
     ``model`` may live on any device, including ``meta`` (no memory is touched: only
-    shapes, dtypes and module types are read).  ``settings`` holds every setting that must
+    shapes, dtypes, module types and plain attributes are read).  ``settings`` holds every setting that must
     be identical across the members of one fused array (batch size, optimizer type,
     epochs, ...); values are canonicalised so that e.g. ``{"a": 1, "b": 2}`` and
     ``{"b": 2, "a": 1.0}`` give the same digest.
@@ -165,27 +114,20 @@ def shape_signature(model: nn.Module, settings: Mapping[str, Any]) -> Signature:
     if not isinstance(settings, Mapping):
         raise TypeError(f"settings must be a Mapping, got {type(settings).__name__}")
 
-    layers: list[tuple[str, str, tuple[tuple[str, tuple[int, ...]], ...]]] = []
+    # The engine's rule, hashed as is: deriving the signature from it is what keeps
+    # "equal digests" implying "fuse() accepts them".  It raises a ValueError
+    # (FusionError) naming the tensor for a lazy, uninitialised model.
+    entries = fusion_layout(model)
+    layers = [(e.path, e.type_name, e.tensors) for e in entries]
+    attrs = [(e.path, e.config) for e in entries if e.config]
+    # Dtypes are the scheduler's own, stricter requirement: fuse() would promote mixed
+    # members to one dtype, silently changing the precision some of them train in.
     dtypes: list[tuple[str, str]] = []
-    attrs: list[tuple[str, tuple[tuple[str, str], ...]]] = []
     for path, module in model.named_modules(remove_duplicate=False):
-        cls = type(module)
-        type_name = f"{cls.__module__}.{cls.__qualname__}"
-        tensors: list[tuple[str, tuple[int, ...]]] = []
         for name, tensor in list(module.named_parameters(recurse=False)) + [
             (n, b) for n, b in module.named_buffers(recurse=False) if b is not None
         ]:
-            qualified = f"{path}.{name}" if path else name
-            tensors.append((name, _shape(tensor, qualified)))
-            dtypes.append((qualified, str(tensor.dtype)))
-        layers.append((path, type_name, tuple(tensors)))
-        structural = tuple(
-            (attr, canonical_json(getattr(module, attr)))
-            for attr in _STRUCTURAL_ATTRS
-            if hasattr(module, attr) and not isinstance(getattr(module, attr), (nn.Module, torch.Tensor))
-        )
-        if structural:
-            attrs.append((path, structural))
+            dtypes.append((f"{path}.{name}" if path else name, str(tensor.dtype)))
 
     for key in settings:
         if not isinstance(key, str):

@@ -40,9 +40,12 @@ def test_equal_models_and_settings_give_equal_digest() -> None:
 def test_digest_is_pinned_and_canonical() -> None:
     # The digest is a pure function of the canonical form: pin it so that a change to the
     # canonical form (which would split arrays across a service upgrade) is a deliberate,
-    # visible decision.  32 and 32.0 are the same batch size.
+    # visible decision.  32 and 32.0 are the same batch size.  Re-pinned (was
+    # 0eafa15d603be9d4) when the signature started hashing fusion.layout's attributes
+    # (here Linear's in_features/out_features) instead of a hand-kept list.
     sig = shape_signature(nn.Linear(3, 2), {"batch_size": 8})
-    assert sig.digest == "0eafa15d603be9d4"
+    assert sig.digest == "bc47f337a776c990"
+    assert sig.attrs == (("", (("in_features", "3"), ("out_features", "2"))),)
     assert shape_signature(nn.Linear(3, 2), {"batch_size": 8.0}).digest == sig.digest
 
 
