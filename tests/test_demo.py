@@ -22,6 +22,8 @@ def test_demo_sweep(ray_cluster: str, tmp_path: Path) -> None:
         "FUSETUNE_RAY_ADDRESS": ray_cluster,
         "FUSETUNE_PORT": str(free_port()),
         "FUSETUNE_DATABASE_URL": "sqlite:///./fusetune.db",
+        # The session's Ray has 4 logical CPUs; `make run` on this 2-core machine starts 2 workers.
+        "FUSETUNE_CPU_WORKERS": "2",
     }
     done = subprocess.run(
         [sys.executable, "-m", "server.cli", "demo", "--exit", "--timeout", "290"],
