@@ -4,7 +4,7 @@ Runs the same sweeps, on the same machine, through three systems and prints what
 took, how good its best trial was and how busy the CPUs were:
 
 - **fusetune**: ``fusetune serve`` is started as a subprocess on a free loopback port with
-  a fresh database (a new SQLite file, or PostgreSQL after ``DROP SCHEMA public CASCADE``),
+  a fresh database (a new SQLite file, or a new PostgreSQL database dropped afterwards),
   one untimed warm-up sweep (8 trials x 1 epoch) starts its Ray worker actors, and then
   every sweep is ``POST /api/v1/studies`` against the server already up: the wall time runs
   from just before the POST until ``GET /api/v1/studies/{id}`` says ``COMPLETE`` (polled
@@ -35,8 +35,8 @@ Usage: python benchmarks/e2e.py                                  # everything, S
        [--postgres-url URL] [--workers N] [--max-array-size B] [--sweep-timeout S]
 
 ``ray[tune]`` (the ``bench`` extra) is installed into this interpreter at start-up when
-``import ray.tune`` fails. PostgreSQL's ``public`` schema at ``--postgres-url`` is emptied:
-point it at a database that holds nothing you want to keep.
+``import ray.tune`` fails. On PostgreSQL each run creates a database of its own next to
+the one ``--postgres-url`` names, and drops it afterwards.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ import time
 import uuid
 import zlib
 from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 # Run as a script, this file's directory is sys.path[0] and benchmarks/fusion.py would
@@ -199,17 +200,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def reset_postgres(url: str) -> None:
-    """Empty the database: every table (fusetune's and Optuna's) goes with the public schema."""
-    import sqlalchemy as sa
+@contextlib.contextmanager
+def scratch_postgres(url: str) -> Iterator[str]:
+    """A new, empty database on the server of ``url`` for one run, dropped afterwards.
 
-    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    The benchmark never touches the database ``url`` names, which may hold someone's data.
+    """
+    import sqlalchemy as sa
+    from sqlalchemy.engine import make_url
+
+    name = f"fusetune_bench_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     try:
-        with engine.connect() as conn:
-            conn.execute(sa.text("DROP SCHEMA public CASCADE"))
-            conn.execute(sa.text("CREATE SCHEMA public"))
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        try:
+            yield make_url(url).set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as conn:
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     finally:
-        engine.dispose()
+        admin.dispose()
 
 
 # ----------------------------------------------------------------------------- fusetune
@@ -339,9 +350,10 @@ def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: 
                    args: argparse.Namespace) -> list[Run]:
     """Every (sweep, seed) through one server that stays up; fused and unfused runs interleaved."""
     runs: list[Run] = []
-    with tempfile.TemporaryDirectory(prefix=f"fusetune-e2e-{backend}-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"fusetune-e2e-{backend}-"))
         if backend == "postgres":
-            reset_postgres(database_url)
+            database_url = stack.enter_context(scratch_postgres(database_url))
         server = FusetuneServer(database_url, pathlib.Path(tmp), args.workers, args.max_array_size)
         try:
             health = server.wait_healthy(args.startup_timeout)
