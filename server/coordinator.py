@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
+from dataclasses import dataclass, field
 import math
 import threading
 import time
@@ -109,6 +111,7 @@ class Coordinator:
         self._worker_ids: dict[str, int] = {}
         self._running: dict[str, Placement] = {}  # device -> the array the scheduler placed there
         self._resumes: dict[int, int] = {}  # trial id -> times re-queued from a checkpoint
+        self._live: dict[int, _Live] = {}  # array id -> what reports need of the arrays running now
         # Measured models·steps/s by (signature, device type) and B: ft_throughput, in memory.
         self._points: dict[tuple[str, str], dict[int, float]] = {}
         self.scheduler = make_scheduler(
@@ -185,7 +188,9 @@ class Coordinator:
         ended = False
         for worker, spec, item in events:
             if isinstance(item, EpochReport):
-                self.pool.reply(worker, self._record_epoch(worker, item))
+                reply = self._record_epoch(worker, item)
+                if spec.prunes:
+                    self.pool.reply(worker, reply)
             else:
                 self._record(worker, spec, item)
                 ended = True
@@ -312,17 +317,27 @@ class Coordinator:
             current = self._running.get(placement.device_id)
             if placement.device_id in busy and current is not None and current.signature == placement.signature:
                 self._running[placement.device_id] = dataclasses.replace(current, lease_expires=placement.lease_expires)
-        for placement in decision.placements:
+        placements = self._spread_classes(decision.placements, idle, waiting)
+        starts = Counter(p.signature for p in placements if p.device_id in idle and any(i in waiting for i in p.trial_ids))
+        for placement in placements:
             ids = [i for i in placement.trial_ids if i in waiting]
             if not ids:
                 continue
             study = waiting[ids[0]][1]
-            cap = min(len(placement.trial_ids), study.max_array_size or self.settings.max_array_size)
+            limit = study.max_array_size or self.settings.max_array_size
+            cap = min(len(placement.trial_ids), limit)
             worker = idle.get(placement.device_id)
             if worker is not None:
-                # The scheduler sizes the array; its class's waiting trials are then spread
-                # evenly over the arrays they need (9 trials at B=8: 5 now and 4 next, not 8 and 1).
+                # The scheduler chose the class for this device and a size; the class's waiting
+                # trials are then spread evenly over the idle devices it got this round, each
+                # array as large as the cap and memory allow: on one device, one array of n
+                # trials drains them faster than smaller arrays in turn (the rate grows with B),
+                # and what is left is spread evenly (9 trials at B=8: 5 now and 4 next, not 8 and 1).
                 queue = [PendingTrial(trial_id=i, signature=placement.signature) for i, (t, _) in waiting.items() if _class_of(t) == placement.signature]
+                share = math.ceil(len(queue) / max(1, starts[placement.signature]))
+                starts[placement.signature] -= 1
+                fits = self.scheduler.throughput.curve(placement.signature, worker.device_type).memory_cap(worker.memory_bytes)
+                cap = max(cap, min(limit, share, fits))
                 members = [waiting.pop(i)[0] for i in pack(queue, cap)[0].trial_ids]
                 self._start_array(session, study, worker, members)
                 self._running[worker.name] = Placement(
@@ -339,6 +354,38 @@ class Coordinator:
                         placement.device_id, placement.signature, study.tenant,
                         tuple(present + [t.id for t in joining]), placement.lease_expires,
                     )
+
+    def _spread_classes(
+        self, placements: Sequence[Placement], idle: Mapping[str, WorkerHandle], waiting: Mapping[int, tuple[Trial, Study]]
+    ) -> list[Placement]:
+        """Give an idle device the scheduler put a class on that needs no more arrays to
+        another waiting class of the same tenant that got no device this round.
+
+        Classes of one tenant tie in the scheduler's allocation when their curves are equal
+        (the two widths of one sweep), and the tie may put one class on every idle device:
+        its trials then train in half-size arrays while the other class waits for a device.
+        A class needs ``ceil(waiting / array cap)`` arrays; devices beyond that go to a
+        class that is waiting, so both classes train at once, each in one large array.
+        """
+        queues: dict[str, list[int]] = {}
+        for trial_id, (trial, _) in waiting.items():
+            queues.setdefault(_class_of(trial), []).append(trial_id)
+        cap = {c: waiting[ids[0]][1].max_array_size or self.settings.max_array_size for c, ids in queues.items()}
+        needed = {c: math.ceil(len(ids) / cap[c]) for c, ids in queues.items()}
+        given: Counter[str] = Counter()
+        out = []
+        for p in placements:
+            if p.device_id in idle and p.signature in queues:
+                if given[p.signature] >= needed[p.signature]:
+                    spare = next(
+                        (c for c in queues if given[c] == 0 and waiting[queues[c][0]][1].tenant == p.tenant and c != p.signature),
+                        None,
+                    )
+                    if spare is not None:
+                        p = Placement(p.device_id, spare, p.tenant, tuple(queues[spare][: cap[spare]]), p.lease_expires)
+                given[p.signature] += 1
+            out.append(p)
+        return out
 
     def _preempt(self, preempted: Sequence[int], busy: Mapping[str, WorkerHandle], rows: Sequence[Any]) -> None:
         """Ask arrays to let go of the members the scheduler took off them.
@@ -372,6 +419,7 @@ class Coordinator:
         for t in trials:
             t.array_id = array_id
         session.commit()
+        self._live[array_id].optuna_ids.update({t.id: t.optuna_trial_id for t in trials})
         self.pool.offer(worker, [MemberSpec(t.id, t.optuna_trial_id, t.number, dict(t.params)) for t in trials])
         log.info("array %d: %d trials join at the next epoch boundary", array_id, len(trials))
 
@@ -398,7 +446,9 @@ class Coordinator:
             # The class's solo speed is the B = 1 point of its curve: measured once per
             # signature and device type, by a short unfused probe in its first array.
             probe_solo=len(trials) > 1 and 1 not in self._points.get((array.signature, worker.device_type), {}),
+            prunes=study.pruner is not None,
         )
+        self._live[array.id] = _Live(study.id, {t.id: t.optuna_trial_id for t in trials})
         self.pool.submit(worker, spec)
         log.info("array %d: %d trials of study %s on %s", array.id, len(trials), study.name, worker.name)
 
@@ -410,54 +460,64 @@ class Coordinator:
         ``optuna.load_study`` and optuna-dashboard see it); members that ended are told to
         Optuna (``Study.tell``, the sampler's ``after_trial`` included) and fusetune's rows
         follow. The study's pruner decides for the others, on the study as the control
-        plane holds it. The measured throughput updates the class's curve.
+        plane holds it. The measured throughput updates the class's curve. What the
+        control plane knows of the array (:class:`_Live`) spares the transaction any read.
         """
+        live = self._live[report.array_id]
+        prune: set[int] = set()
         with self.sessions() as session:
-            array = session.get(Array, report.array_id)
-            study = session.get(Study, array.study_id)
-            mirror = self._mirror(study)
-            prune: set[int] = set()
+            mirror = self._mirror_of(session, live.study_id)
             try:
-                ids = {m.trial_id for m in report.members} | {j.trial_id for j in report.joined} | set(report.released)
-                trials = {t.id: t for t in session.scalars(select(Trial).where(Trial.id.in_(ids)))}
                 now = utcnow()
+                optuna_id = live.optuna_ids
+                if report.joined:
+                    session.execute(
+                        update(Trial)
+                        .where(Trial.id.in_([j.trial_id for j in report.joined]))
+                        .values(state=TrialState.RUNNING, started_at=func.coalesce(Trial.started_at, now))
+                    )
                 for joined in report.joined:
-                    trial = trials[joined.trial_id]
-                    trial.state, trial.started_at = TrialState.RUNNING, trial.started_at or now
                     if joined.resumed_at_epoch is not None:  # one entry per move or crash
-                        before = mirror.trial(trial.optuna_trial_id).user_attrs.get("resumed_at_epochs", [])
-                        mirror.set_user_attrs(session, trial.optuna_trial_id, {"resumed_at_epochs": [*before, joined.resumed_at_epoch]})
-                mirror.report(session, [(trials[m.trial_id].optuna_trial_id, m.step, m.value) for m in report.members])
+                        before = mirror.trial(optuna_id[joined.trial_id]).user_attrs.get("resumed_at_epochs", [])
+                        mirror.set_user_attrs(session, optuna_id[joined.trial_id], {"resumed_at_epochs": [*before, joined.resumed_at_epoch]})
+                mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
                 for member in report.members:
-                    trial = trials[member.trial_id]
+                    trial_id = optuna_id[member.trial_id]
                     if member.state == "COMPLETE":
                         if member.state_dict is not None:  # where its trained weights are
-                            mirror.set_user_attrs(session, trial.optuna_trial_id, {"state_dict": member.state_dict})
-                        mirror.tell(session, trial.optuna_trial_id, OptunaState.COMPLETE, member.value)
-                        self._finish(trial, TrialState.COMPLETE, now, value=member.value)
+                            mirror.set_user_attrs(session, trial_id, {"state_dict": member.state_dict})
+                        mirror.tell(session, trial_id, OptunaState.COMPLETE, member.value)
+                        _finish(session, member.trial_id, TrialState.COMPLETE, now, value=member.value)
                     elif member.state == "FAIL":
-                        mirror.tell(session, trial.optuna_trial_id, OptunaState.FAIL)
-                        self._finish(trial, TrialState.FAIL, now, error=member.error)
-                    elif mirror.should_prune(session, trial.optuna_trial_id):
-                        mirror.tell(session, trial.optuna_trial_id, OptunaState.PRUNED)
-                        self._finish(trial, TrialState.PRUNED, now, value=member.value)
+                        mirror.tell(session, trial_id, OptunaState.FAIL)
+                        _finish(session, member.trial_id, TrialState.FAIL, now, error=member.error)
+                    elif mirror.should_prune(session, trial_id):
+                        mirror.tell(session, trial_id, OptunaState.PRUNED)
+                        _finish(session, member.trial_id, TrialState.PRUNED, now, value=member.value)
                         prune.add(member.trial_id)
-                for trial_id in report.released:  # preempted: waits for its next array, Optuna keeps it RUNNING
-                    trials[trial_id].state, trials[trial_id].array_id, trials[trial_id].started_at = TrialState.WAITING, None, None
-                array.epochs_done += 1
-                array.timings = _add_timings(array.timings, report.timings)
-                self._observe(session, worker.spec.signature, worker.device_type, report)
+                if report.released:  # preempted: waits for its next array, Optuna keeps it RUNNING
+                    session.execute(
+                        update(Trial)
+                        .where(Trial.id.in_(report.released))
+                        .values(state=TrialState.WAITING, array_id=None, started_at=None)
+                    )
+                # An array's first epoch pays for warming up (allocations, lazy init): its speed
+                # would say fusing pays less than it does. (The probe runs after it, warm.)
+                self._observe(session, worker.spec.signature, worker.device_type, report, warm=live.epochs_done > 0)
+                live.epochs_done += 1
+                live.timings = _add_timings(live.timings, report.timings)
+                session.execute(
+                    update(Array).where(Array.id == report.array_id).values(epochs_done=live.epochs_done, timings=live.timings)
+                )
                 session.commit()
             except Exception:
                 session.rollback()
-                self._mirrors.pop(study.id, None)  # the mirror ran ahead of the database: reload it
+                self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
                 raise
         return EpochReply(prune=frozenset(prune))
 
-    @staticmethod
-    def _finish(trial: Trial, state: TrialState, now: Any, value: float | None = None, error: str | None = None) -> None:
-        trial.state, trial.completed_at, trial.error = state, now, error
-        trial.value = value if value is not None and math.isfinite(value) else None
+    def _mirror_of(self, session: Session, study_id: int) -> StudyMirror:
+        return self._mirrors.get(study_id) or self._mirror(session.get(Study, study_id))
 
     def _load_throughput(self) -> None:
         """The speeds measured by earlier arrays, also by an earlier process: no new dry runs."""
@@ -465,11 +525,11 @@ class Coordinator:
             for row in session.scalars(select(Throughput)):
                 self._points.setdefault((row.signature, row.device_type), {})[row.members] = row.models_steps_per_s
 
-    def _observe(self, session: Session, cls: str, device_type: str, report: EpochReport) -> None:
+    def _observe(self, session: Session, cls: str, device_type: str, report: EpochReport, warm: bool) -> None:
         """Fold an array-epoch's measured speed into ft_throughput and the class's curve."""
         signature = cls.split("@", 1)[0]
         measured = []
-        if report.train_seconds > 0 and report.size > 0:
+        if warm and report.train_seconds > 0 and report.size > 0:
             measured.append((report.size, report.member_steps / report.train_seconds))
         if report.solo_steps_per_s:
             measured.append((1, report.solo_steps_per_s))
@@ -477,14 +537,17 @@ class Coordinator:
             return
         points = self._points.setdefault((signature, device_type), {})
         smoothing = self.settings.throughput_smoothing
+        key = (Throughput.signature == signature, Throughput.device_type == device_type)
         for members, rate in measured:
-            row = session.get(Throughput, (signature, device_type, members))
-            if row is None:
-                session.add(Throughput(signature=signature, device_type=device_type, members=members, models_steps_per_s=rate, samples=1))
+            if members in points:
+                rate = (1 - smoothing) * points[members] + smoothing * rate
+                session.execute(
+                    update(Throughput)
+                    .where(*key, Throughput.members == members)
+                    .values(models_steps_per_s=rate, samples=Throughput.samples + 1, updated_at=utcnow())
+                )
             else:
-                row.models_steps_per_s = (1 - smoothing) * row.models_steps_per_s + smoothing * rate
-                row.samples += 1
-                rate = row.models_steps_per_s
+                session.add(Throughput(signature=signature, device_type=device_type, members=members, models_steps_per_s=rate, samples=1))
             points[members] = rate
         self.scheduler.throughput.set_curve(cls, device_type, fit_points(points, self.settings.prior_marginal_cost))
 
@@ -500,16 +563,16 @@ class Coordinator:
     def _record(self, worker: WorkerHandle, spec: ArraySpec, result: ArrayOutcome | BaseException) -> None:
         """An array ended: its outcome, or the error that ended it (its worker's death included)."""
         self._running.pop(worker.name, None)
+        live = self._live.pop(spec.array_id, None)
         with self.sessions() as session:
             array = session.get(Array, spec.array_id)
-            study = session.get(Study, array.study_id)
-            mirror = self._mirror(study)
+            mirror = self._mirror_of(session, array.study_id)
             try:
                 if isinstance(result, ArrayOutcome):
                     array.state = ArrayState.FAIL if result.error else ArrayState.COMPLETE
                     array.error = result.error
                     array.models_steps_per_s = result.models_steps_per_s
-                    array.timings = result.timings or array.timings
+                    array.timings = result.timings or (live.timings if live else None)
                 else:
                     array.state, array.error = ArrayState.FAIL, f"worker {worker.name} failed: {result}"
                 array.completed_at = now = utcnow()
@@ -528,11 +591,11 @@ class Coordinator:
                         continue
                     error = result.failed.get(trial.id, result.error) if isinstance(result, ArrayOutcome) else None
                     mirror.tell(session, trial.optuna_trial_id, OptunaState.FAIL)
-                    self._finish(trial, TrialState.FAIL, now, error=error or array.error)
+                    trial.state, trial.completed_at, trial.error = TrialState.FAIL, now, error or array.error
                 session.commit()
             except Exception:
                 session.rollback()
-                self._mirrors.pop(study.id, None)
+                self._mirrors.pop(array.study_id, None)
                 raise
         log.info("array %d ended: %s", spec.array_id, array.state.value)
 
@@ -554,3 +617,21 @@ def _add_timings(total: Mapping[str, float] | None, more: Mapping[str, float]) -
     for phase, seconds in more.items():
         out[phase] = out.get(phase, 0.0) + seconds
     return out
+
+
+def _finish(
+    session: Session, trial_id: int, state: TrialState, now: Any, value: float | None = None, error: str | None = None
+) -> None:
+    """End fusetune's row of a trial (Optuna's is the mirror's)."""
+    value = value if value is not None and math.isfinite(value) else None
+    session.execute(update(Trial).where(Trial.id == trial_id).values(state=state, completed_at=now, error=error, value=value))
+
+
+@dataclass
+class _Live:
+    """What the control plane keeps of an array it started, so that its reports need no reads."""
+
+    study_id: int
+    optuna_ids: dict[int, int]  # fusetune trial id -> Optuna trial id, members and newcomers
+    epochs_done: int = 0
+    timings: dict[str, float] = field(default_factory=dict)

@@ -34,7 +34,7 @@ from optuna.distributions import BaseDistribution, distribution_to_json
 from optuna.storages._rdb import models as rdb
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState as OptunaState
-from sqlalchemy import select
+from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
 __all__ = ["AskedTrial", "StudyMirror"]
@@ -161,29 +161,27 @@ class StudyMirror:
 
         A step reported again (a trial that resumed from an earlier checkpoint trains it
         again) replaces the stored value, so each (trial, step) is stored once and the
-        stored curve is the curve of the weights the trial goes on with.
+        stored curve is the curve of the weights the trial goes on with. The mirror knows
+        which steps are stored, so new ones go in one multi-row INSERT without reading first.
         """
-        values = list(values)
-        if not values:
-            return
+        model = rdb.TrialIntermediateValueModel
+        table = model.__table__  # Core statements: nothing to load or synchronise back
+        new = []
         for trial_id, step, value in values:
-            self._memory.set_trial_intermediate_value(self._to_memory[trial_id], step, value)
-        table = rdb.TrialIntermediateValueModel
-        existing = {
-            (row.trial_id, row.step): row
-            for row in session.scalars(
-                select(table).where(
-                    table.trial_id.in_({t for t, _, _ in values}), table.step.in_({s for _, s, _ in values})
+            memory_id = self._to_memory[trial_id]
+            again = step in self._memory.get_trial(memory_id).intermediate_values
+            self._memory.set_trial_intermediate_value(memory_id, step, value)
+            stored, kind = model.intermediate_value_to_stored_repr(value)
+            if again:
+                session.execute(
+                    update(table)
+                    .where(table.c.trial_id == trial_id, table.c.step == step)
+                    .values(intermediate_value=stored, intermediate_value_type=kind)
                 )
-            )
-        }
-        for trial_id, step, value in values:
-            stored, kind = table.intermediate_value_to_stored_repr(value)
-            row = existing.get((trial_id, step))
-            if row is None:
-                session.add(table(trial_id=trial_id, step=step, intermediate_value=stored, intermediate_value_type=kind))
             else:
-                row.intermediate_value, row.intermediate_value_type = stored, kind
+                new.append({"trial_id": trial_id, "step": step, "intermediate_value": stored, "intermediate_value_type": kind})
+        if new:
+            session.execute(insert(table), new)
 
     def should_prune(self, session: Session, trial_id: int) -> bool:
         """The study's pruner on the trial's reported values, as ``Trial.should_prune``.
@@ -191,37 +189,33 @@ class StudyMirror:
         Pruners that keep state in the trial's system attrs (successive halving, Hyperband)
         write it to the mirror; those writes join the caller's transaction.
         """
-        if self.multi_objective:
+        if self.multi_objective or isinstance(self.study.pruner, optuna.pruners.NopPruner):
             return False  # Optuna's pruners are single-objective
         memory_id = self._to_memory[trial_id]
         before = self._memory.get_trial(memory_id).system_attrs
         decision = bool(self.study.pruner.prune(self.study, self._memory.get_trial(memory_id)))
         after = self._memory.get_trial(memory_id).system_attrs
-        self.set_system_attrs(session, trial_id, {k: v for k, v in after.items() if before.get(k, object()) != v})
+        changed = {k: v for k, v in after.items() if k not in before or before[k] != v}
+        self._write_attrs(session, rdb.TrialSystemAttributeModel, trial_id, changed, set(before))
         return decision
 
     def set_user_attrs(self, session: Session, trial_id: int, attrs: Mapping[str, Any]) -> None:
+        memory_id = self._to_memory[trial_id]
+        existing = set(self._memory.get_trial(memory_id).user_attrs)
         for key, value in attrs.items():
-            self._memory.set_trial_user_attr(self._to_memory[trial_id], key, value)
-        self._set_attrs(session, rdb.TrialUserAttributeModel, trial_id, attrs)
-
-    def set_system_attrs(self, session: Session, trial_id: int, attrs: Mapping[str, Any]) -> None:
-        for key, value in attrs.items():
-            self._memory.set_trial_system_attr(self._to_memory[trial_id], key, value)
-        self._set_attrs(session, rdb.TrialSystemAttributeModel, trial_id, attrs)
+            self._memory.set_trial_user_attr(memory_id, key, value)
+        self._write_attrs(session, rdb.TrialUserAttributeModel, trial_id, attrs, existing)
 
     @staticmethod
-    def _set_attrs(session: Session, table: Any, trial_id: int, attrs: Mapping[str, Any]) -> None:
-        if not attrs:
-            return
-        existing = {
-            row.key: row for row in session.scalars(select(table).where(table.trial_id == trial_id, table.key.in_(attrs)))
-        }
-        for key, value in attrs.items():
-            if key in existing:
-                existing[key].value_json = json.dumps(value)
-            else:
-                session.add(table(trial_id=trial_id, key=key, value_json=json.dumps(value)))
+    def _write_attrs(session: Session, model: Any, trial_id: int, attrs: Mapping[str, Any], existing: set[str]) -> None:
+        table = model.__table__
+        new = [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items() if k not in existing]
+        if new:
+            session.execute(insert(table), new)
+        for key in existing & set(attrs):
+            session.execute(
+                update(table).where(table.c.trial_id == trial_id, table.c.key == key).values(value_json=json.dumps(attrs[key]))
+            )
 
     # -- ending --------------------------------------------------------------------------------
     def tell(
@@ -250,10 +244,15 @@ class StudyMirror:
             # call Study.stop, which raises outside Study.optimize); the trial has ended.
             pass
         frozen = self._memory.get_trial(memory_id)
-        row = session.get(rdb.TrialModel, trial_id)
-        row.state, row.datetime_complete = frozen.state, frozen.datetime_complete or datetime.now()
+        trials = rdb.TrialModel.__table__
+        session.execute(
+            update(trials)
+            .where(trials.c.trial_id == trial_id)
+            .values(state=frozen.state, datetime_complete=frozen.datetime_complete or datetime.now())
+        )
         if frozen.values is not None:
-            table = rdb.TrialValueModel
+            rows = []
             for objective, value in enumerate(frozen.values):
-                stored, kind = table.value_to_stored_repr(value)
-                session.add(table(trial_id=trial_id, objective=objective, value=stored, value_type=kind))
+                stored, kind = rdb.TrialValueModel.value_to_stored_repr(value)
+                rows.append({"trial_id": trial_id, "objective": objective, "value": stored, "value_type": kind})
+            session.execute(insert(rdb.TrialValueModel.__table__), rows)

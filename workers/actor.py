@@ -103,8 +103,9 @@ class ArrayWorker:
         """Train ``spec``: yields one :class:`EpochReport` per epoch, then the :class:`ArrayOutcome`.
 
         Called through Ray, this is a streaming generator: the control plane reads each
-        report as it is yielded and answers with :meth:`reply`, which the training loop
-        waits for before it acts on the epoch's pruning decisions.
+        report as it is yielded and, when the study has a pruner (``spec.prunes``), answers
+        with :meth:`reply`, which the training loop waits for before it acts on the epoch's
+        pruning decisions.
         """
         with self._lock:
             replies = self._replies.setdefault(spec.array_id, queue.SimpleQueue())
@@ -114,6 +115,10 @@ class ArrayWorker:
             while True:
                 report = training.send(reply)
                 yield report
+                if not spec.prunes:
+                    # Nothing to decide: a round trip through a busy machine's processes
+                    # costs tens of milliseconds, so a study without a pruner never waits.
+                    continue
                 try:
                     reply = replies.get(timeout=REPLY_TIMEOUT_S)
                 except queue.Empty:

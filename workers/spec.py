@@ -1,8 +1,9 @@
 """What a worker is asked to train and what it says back: plain data, sent through Ray.
 
 A worker talks only to the control plane, never to the database: it is handed an
-:class:`ArraySpec`, sends one :class:`EpochReport` per array-epoch and gets an
-:class:`EpochReply` back (the pruning decisions), and ends with an :class:`ArrayOutcome`.
+:class:`ArraySpec`, sends one :class:`EpochReport` per array-epoch and, when the study has a
+pruner, waits for the :class:`EpochReply` with its decisions; it ends with an
+:class:`ArrayOutcome`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ArraySpec:
     checkpoint_frequency: int = 1  # checkpoint at most every N epochs (Ray Tune's name); 0: never
     checkpoint_interval_s: float = 0.0  # ...and at most every this many seconds
     probe_solo: bool = False  # also time one member unfused once: the class's B = 1 speed
+    prunes: bool = True  # the study has a pruner: each epoch waits for the control plane's decision
 
 
 @dataclass(frozen=True)
