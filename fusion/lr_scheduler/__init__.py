@@ -80,7 +80,8 @@ def _pull(fused: FusedOptimizer, views: Sequence[Optimizer]) -> None:
                     group[key] = [vgroup[key]] * fused.num_members
                 value = vgroup[key]
                 group[key][b] = tuple(value) if key in fused.pair_hparams else value
-    fused._hp_cache.clear()
+    # Nothing to invalidate: the optimizer's hyper-parameter tensors are checked
+    # against the group's current values at every step.
 
 
 class FusedLRScheduler:

@@ -58,44 +58,114 @@ class Adam(FusedOptimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            states = []
             for p in params:
                 state = self.state[p]
                 if not state:
+                    self._host_steps().pop(id(p), None)
                     state["step"] = self._new_step(p)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if group["amsgrad"]:
                         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"].add_(1)
-            if self._can_use_fused_kernel(params):
-                self._step_fused_kernel(group, params)
+                states.append(state)
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            counts = self._count_steps(params, steps)
+            if self._can_batch(params):
+                self._step_batched(group, params, states, counts)
             else:
                 for p in params:
                     self._step_tensor_math(group, p)
         return loss
 
-    def _step_fused_kernel(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """One call of torch's fused Adam kernel per member, over that member's slices.
+    def _step_batched(
+        self, group: dict[str, Any], params: list[torch.Tensor], states: list[dict[str, Any]],
+        counts: list[tuple[float, ...]],
+    ) -> None:
+        """torch's Adam over all of the group's parameters at once.
 
-        torch.optim.Adam(fused=True) runs the same kernel; calling it once per
-        member with that member's scalars keeps every hyper-parameter per member
-        while reading and writing each tensor once.
+        Each operation is one ``torch._foreach_*`` call for the group, per-member values
+        (bias corrections included) broadcast along the member axis, or plain scalars where
+        all members agree; with every value and step count shared (one member, say) it is
+        torch's fused kernel (as in ``Adam(fused=True)``), one call.
         """
-        kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
-        states = [self.state[p] for p in params]
-        p_m = self._member_views(params, persistent=True)
-        g_m = self._member_views([p.grad for p in params if p.grad is not None])
-        a_m = self._member_views([s["exp_avg"] for s in states], persistent=True)
-        q_m = self._member_views([s["exp_avg_sq"] for s in states], persistent=True)
-        x_m = self._member_views([s["max_exp_avg_sq"] for s in states], persistent=True) if group["amsgrad"] else None
-        s_m = self._member_views([s["step"] for s in states], persistent=True)
-        for b in range(self.num_members):
-            beta1, beta2 = group["betas"][b]
+        grads = [p.grad for p in params]
+        # Step counts are per member and usually the same tuple for all the group's
+        # parameters; parameters whose counts differ (gradients missing at some steps)
+        # are updated separately.
+        by_steps: dict[int, list[int]] = {}
+        for i, c in enumerate(counts):
+            by_steps.setdefault(id(c), []).append(i)
+        for index in by_steps.values():
+            if len(index) < len(params):
+                self._update(group, [params[i] for i in index], [grads[i] for i in index],
+                             [states[i] for i in index], counts[index[0]])
+            else:
+                self._update(group, params, grads, states, counts[0])
+
+    def _update(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+        states: list[dict[str, Any]], counts: tuple[float, ...],
+    ) -> None:
+        lrs, wds, epss = group["lr"], group["weight_decay"], group["eps"]
+        betas = group["betas"]
+        amsgrad, maximize = group["amsgrad"], group["maximize"]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        maxs = [s["max_exp_avg_sq"] for s in states] if amsgrad else []
+        uniform = counts.count(counts[0]) == len(counts) and all(
+            v.count(v[0]) == len(v) for v in (lrs, wds, epss, betas)
+        )
+        if uniform and self._can_use_fused_kernel(params):
+            kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
+            beta1, beta2 = betas[0]
+            # The kernel reads one step count per tensor: every member's is the same.
             kernel(
-                p_m[b], g_m[b], a_m[b], q_m[b], x_m[b] if x_m is not None else [], s_m[b],
-                lr=group["lr"][b], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"][b],
-                eps=group["eps"][b], amsgrad=group["amsgrad"], maximize=group["maximize"],
+                params, grads, exp_avgs, exp_avg_sqs, maxs, [s["step"][0] for s in states],
+                lr=lrs[0], beta1=beta1, beta2=beta2, weight_decay=wds[0], eps=epss[0],
+                amsgrad=amsgrad, maximize=maximize,
             )
+            return
+        if maximize:
+            grads = torch._foreach_neg(grads)
+        if any(w != 0 for w in wds):
+            if self._decoupled:
+                decay = [1 - lr * wd for lr, wd in zip(lrs, wds)]
+                torch._foreach_mul_(params, self._per_member(group, "1-lr*wd", decay, params))
+            else:
+                wd = self._per_member(group, "weight_decay", wds, params)
+                if isinstance(wd, float):
+                    grads = torch._foreach_add(grads, params, alpha=wd)
+                else:
+                    grads = torch._foreach_addcmul(grads, params, wd)
+        beta1 = [b[0] for b in betas]
+        beta2 = [b[1] for b in betas]
+        torch._foreach_lerp_(exp_avgs, grads, self._per_member(group, "1-beta1", [1 - b for b in beta1], params))
+        torch._foreach_mul_(exp_avg_sqs, self._per_member(group, "beta2", beta2, params))
+        keep2 = self._per_member(group, "1-beta2", [1 - b for b in beta2], params)
+        if isinstance(keep2, float):
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=keep2)
+        else:
+            torch._foreach_addcmul_(exp_avg_sqs, grads, torch._foreach_mul(grads, keep2))
+        if amsgrad:
+            torch._foreach_maximum_(maxs, exp_avg_sqs)
+            second = maxs
+        else:
+            second = exp_avg_sqs
+        # Bias corrections in float64 on the host, as torch computes them.
+        neg_step_size = [-lr / (1 - b1**s) for lr, b1, s in zip(lrs, beta1, counts)]
+        bc2_sqrt = [(1 - b2**s) ** 0.5 for b2, s in zip(beta2, counts)]
+        denom = torch._foreach_sqrt(second)
+        torch._foreach_div_(denom, self._per_member(group, "bc2_sqrt", bc2_sqrt, params, cache=False))
+        torch._foreach_add_(denom, self._per_member(group, "eps", epss, params))
+        step = self._per_member(group, "-step_size", neg_step_size, params, cache=False)
+        if isinstance(step, float):
+            torch._foreach_addcdiv_(params, exp_avgs, denom, value=step)
+        else:
+            # p += exp_avg / denom * (-step_size), the step size folded into denom.
+            torch._foreach_div_(denom, step)
+            torch._foreach_addcdiv_(params, exp_avgs, denom)
 
     def _step_tensor_math(self, group: dict[str, Any], p: torch.Tensor) -> None:
         """torch's single-tensor Adam with per-member values broadcast over the member axis."""

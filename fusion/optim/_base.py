@@ -58,7 +58,8 @@ class FusedOptimizer(Optimizer):
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         params = list(params)
         self.num_members = self._infer_members(params)
-        self._hp_cache: dict[tuple[Any, ...], torch.Tensor] = {}
+        # Hyper-parameter tensors: _hp's keyed by value, _per_member's by (group, name).
+        self._hp_cache: dict[tuple[Any, ...], Any] = {}
         super().__init__(params, defaults)
 
     @staticmethod
@@ -103,10 +104,51 @@ class FusedOptimizer(Optimizer):
                 if v < 0.0:
                     raise ValueError(f"Invalid {key} value: {v}")
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.load_state_dict``; also drops cached views of the old state."""
-        self.__dict__.pop("_view_cache", None)
+    def _invalidate(self) -> None:
+        """Drop what is derived from the members and their state (membership or state changed)."""
         self._hp_cache.clear()
+        self.__dict__.pop("_settled_params", None)
+        self.__dict__.pop("_host_step_counts", None)
+
+    def _settled(self) -> dict[int, torch.Tensor]:
+        """Parameters (by id) whose per-member step counters are known to be all non-zero.
+
+        Steps only ever count up, so once checked a parameter stays settled until
+        members or their state change (:meth:`_invalidate`).
+        """
+        return self.__dict__.setdefault("_settled_params", {})
+
+    def _count_steps(self, params: list[torch.Tensor], steps: list[torch.Tensor]) -> list[tuple[float, ...]]:
+        """Per parameter, its per-member step counts (the values of ``steps``, just incremented).
+
+        A host-side copy is kept and counted up in step with the tensors, so that they
+        are read back only after members or state changed (no device sync per step).
+        Parameters with equal counts share one tuple object.
+        """
+        host = self._host_steps()
+        canon: dict[tuple[float, ...], tuple[float, ...]] = {}
+        bumped: dict[int, tuple[float, ...]] = {}
+        out = []
+        for p, t in zip(params, steps):
+            entry = host.get(id(p))
+            before = entry[1] if entry is not None and entry[0] is p else None
+            now = None if before is None else bumped.get(id(before))
+            if now is None:
+                now = tuple(t.tolist()) if before is None else tuple(c + 1 for c in before)
+                now = canon.setdefault(now, now)
+                if before is not None:
+                    bumped[id(before)] = now
+            host[id(p)] = (p, now)
+            out.append(now)
+        return out
+
+    def _host_steps(self) -> dict[int, tuple[torch.Tensor, tuple[float, ...]]]:
+        """Parameter id -> (parameter, host-side copy of its per-member step counts); see :meth:`_count_steps`."""
+        return self.__dict__.setdefault("_host_step_counts", {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``; also drops what was derived from the old state."""
+        self._invalidate()
         super().load_state_dict(state_dict)
         groups = state_dict["param_groups"]
         if groups:
@@ -132,41 +174,65 @@ class FusedOptimizer(Optimizer):
             self._hp_cache[key] = t
         return t
 
-    #: Whether steps may use torch's fused optimizer kernels (one call per
-    #: member). The tensor-math path is the fallback for devices and dtypes
-    #: those kernels do not cover; tests switch it off to check both.
+    def _per_member(
+        self, group: dict[str, Any], name: str, values: Sequence[float], tensors: list[torch.Tensor],
+        cache: bool = True,
+    ) -> float | list[torch.Tensor]:
+        """``values`` (one per member) as the scalar operand of ``torch._foreach_*`` ops over ``tensors``.
+
+        A float when every member has the same value (torch's own scalar arithmetic),
+        else, per tensor, a ``[B, 1, ...]`` view of one ``[B]`` tensor that broadcasts
+        along the member axis. The tensor is cached under ``(group, name)`` together
+        with the values it holds and rebuilt when they differ, so edits of a group's
+        lists (by the user or a scheduler, in place or not) always take effect and
+        unchanged values cost no allocation; ``cache=False`` for values that change
+        every step.
+        """
+        first = values[0]
+        if values.count(first) == len(values):
+            return float(first)
+        like = tensors[0]
+        layout = (like.dtype, like.device, tuple(t.dim() for t in tensors))
+        key = (id(group), name)
+        vals = tuple(values)
+        entry = self._hp_cache.get(key) if cache else None
+        if entry is not None and entry[1] == layout and entry[0] == vals:
+            return entry[2]
+        vec = torch.tensor(vals, dtype=like.dtype, device=like.device)
+        by_dim: dict[int, torch.Tensor] = {}
+        views = []
+        for d in layout[2]:
+            view = by_dim.get(d)
+            if view is None:
+                view = by_dim[d] = vec.view(-1, *([1] * (d - 1)))
+            views.append(view)
+        if cache:
+            self._hp_cache[key] = (vals, layout, views)
+        return views
+
+    #: Whether steps take the batched path: each operation of the update is one
+    #: ``torch._foreach_*`` call over all parameters of a group, with per-member
+    #: hyper-parameters broadcast along the member axis (and torch's fused kernel,
+    #: one call for the group, where all members share every value). The
+    #: per-parameter tensor-math path is the fallback (sparse gradients, mixed
+    #: devices or dtypes); tests switch this off to check both.
     use_fused_kernels: bool = True
 
-    def _can_use_fused_kernel(self, params: list[torch.Tensor]) -> bool:
+    def _can_batch(self, params: list[torch.Tensor]) -> bool:
+        """Whether ``params`` (all with gradients) can take the batched path."""
         if not self.use_fused_kernels:
             return False
         first = params[0]
-        if first.device.type not in ("cpu", "cuda") or first.dtype not in _FUSED_DTYPES:
-            return False
         return all(
             p.device == first.device and p.dtype == first.dtype and p.grad is not None
-            and not p.grad.is_sparse and p.grad.dtype == p.dtype
+            and p.grad.layout == torch.strided and p.grad.dtype == p.dtype
             for p in params
         )
 
-    def _member_views(self, tensors: list[torch.Tensor], persistent: bool = False) -> list[list[torch.Tensor]]:
-        """Per member, the list of its slices of ``tensors`` (views, no copies).
-
-        ``persistent`` tensors (parameters, optimizer state) keep their storage
-        from step to step, so their slices are cached, keyed by storage address
-        and shape (a membership change or ``load_state_dict`` changes both).
-        """
-        if persistent:
-            key = tuple((t.data_ptr(), t.shape) for t in tensors)
-            cache = self.__dict__.setdefault("_view_cache", {})
-            views = cache.get(key)
-            if views is None:
-                if len(cache) > 256:
-                    cache.clear()
-                views = cache[key] = self._member_views(tensors)
-            return views
-        per_tensor = [t.unbind(0) for t in tensors]
-        return [list(views) for views in zip(*per_tensor)]
+    def _can_use_fused_kernel(self, params: list[torch.Tensor]) -> bool:
+        """Whether torch's fused optimizer kernels cover ``params`` (after :meth:`_can_batch`)."""
+        first = params[0]
+        return first.device.type in ("cpu", "cuda") and first.dtype in _FUSED_DTYPES
 
     def _new_step(self, p: torch.Tensor) -> torch.Tensor:
         """Per-member step counters: float32 like torch's, on the parameter's device
@@ -191,8 +257,7 @@ class FusedOptimizer(Optimizer):
                 if isinstance(v, torch.Tensor) and v.dim() >= 1:
                     state[k] = v.index_select(0, torch.tensor(keep, device=v.device))
         self.num_members = len(keep)
-        self._hp_cache.clear()
-        self.__dict__.pop("_view_cache", None)
+        self._invalidate()
         # Per-member views and schedulers (fusion.lr_scheduler) follow the removal.
         views = self.__dict__.get("_scheduler_views")
         if views is not None:
@@ -235,8 +300,7 @@ class FusedOptimizer(Optimizer):
                         fresh = self._fresh_state(k, v, count, new)
                         state[k] = torch.cat([v, fresh])
         self.num_members += count
-        self._hp_cache.clear()
-        self.__dict__.pop("_view_cache", None)
+        self._invalidate()
 
     # ------------------------------------------------------------------ one member's state
     def member_state_dict(self, b: int) -> dict[str, Any]:
@@ -286,8 +350,7 @@ class FusedOptimizer(Optimizer):
                 if current is None:  # lazily created state starts at zero for every optimizer here
                     current = state[k] = torch.zeros((self.num_members, *v.shape), dtype=v.dtype, device=p.device)
                 current[b].copy_(v.to(current.device, current.dtype))
-        self._hp_cache.clear()
-        self.__dict__.pop("_view_cache", None)
+        self._invalidate()
 
     def add_membership_listener(self, method: Any) -> None:
         """Call bound ``method(keep)`` after :meth:`remove_members` (held weakly)."""

@@ -56,42 +56,144 @@ class SGD(FusedOptimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            if self._can_use_fused_kernel(params):
-                self._step_fused_kernel(group, params)
+            if self._can_batch(params):
+                self._step_batched(group, params)
             else:
                 for p in params:
                     self._step_tensor_math(group, p)
         return loss
 
-    def _step_fused_kernel(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """torch's fused SGD kernel (as in SGD(fused=True)), once per member."""
-        momenta = group["momentum"]
+    def _step_batched(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """torch's SGD over all of the group's parameters at once.
+
+        Each operation is one ``torch._foreach_*`` call for the group, per-member values
+        broadcast along the member axis (or plain scalars where all members agree); with
+        every value shared (one member, say) it is torch's fused kernel, one call.
+        """
+        lrs, wds, momenta, damps = group["lr"], group["weight_decay"], group["momentum"], group["dampening"]
         use_momentum = any(m != 0 for m in momenta)
-        first: list[bool] = [False] * self.num_members
-        bufs: list[list[torch.Tensor]] | None = None
+        grads = [p.grad for p in params]
+        states = [self.state[p] for p in params] if use_momentum else []
+        # Per parameter: no momentum state yet (every member on its first step), or
+        # state whose rows of some members are on their first step (members added or
+        # loaded since): ``fresh`` holds those rows.
+        new = [("momentum_buffer" not in s or "member_steps" not in s) for s in states]
+        fresh: list[tuple[int, torch.Tensor]] = []
         if use_momentum:
-            states = [self.state[p] for p in params]
-            for p, state in zip(params, states):
-                if "momentum_buffer" not in state or "member_steps" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["member_steps"] = torch.zeros(self.num_members)
-            # Members share the step counter of every parameter they own; a
-            # member is on its first step when its count is zero.
-            first = [s == 0 for s in states[0]["member_steps"].tolist()]
-            bufs = self._member_views([s["momentum_buffer"] for s in states], persistent=True)
-        p_m = self._member_views(params, persistent=True)
-        g_m = self._member_views([p.grad for p in params if p.grad is not None])
-        for b in range(self.num_members):
-            has_momentum = momenta[b] != 0
+            settled = self._settled()
+            for i, (p, state) in enumerate(zip(params, states)):
+                if new[i] or settled.get(id(p)) is p:
+                    continue
+                zero = state["member_steps"] == 0
+                if bool(zero.any()):
+                    fresh.append((i, zero.nonzero().flatten().to(p.device)))
+                else:
+                    settled[id(p)] = p
+        uniform = all(v.count(v[0]) == len(v) for v in (lrs, wds, momenta, damps))
+        if (
+            uniform and not fresh and (all(new) or not any(new))
+            and self._can_use_fused_kernel(params)
+        ):
+            bufs: list[torch.Tensor] = []
+            if use_momentum:
+                for p, state, is_new in zip(params, states, new):
+                    if is_new:
+                        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state["member_steps"] = torch.zeros(self.num_members)
+                bufs = [s["momentum_buffer"] for s in states]
             torch._fused_sgd_(
-                p_m[b], g_m[b], bufs[b] if (bufs is not None and has_momentum) else [],
-                weight_decay=group["weight_decay"][b], momentum=momenta[b], lr=group["lr"][b],
-                dampening=group["dampening"][b], nesterov=group["nesterov"], maximize=group["maximize"],
-                is_first_step=first[b],
+                params, grads, bufs, weight_decay=wds[0], momentum=momenta[0], lr=lrs[0],
+                dampening=damps[0], nesterov=group["nesterov"], maximize=group["maximize"],
+                is_first_step=bool(new) and new[0],
             )
+        else:
+            self._step_foreach(group, params, grads, states, new, fresh)
         if use_momentum:
-            for p in params:
-                self.state[p]["member_steps"].add_(1)
+            torch._foreach_add_([s["member_steps"] for s in states], 1)
+
+    def _step_foreach(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+        states: list[dict[str, Any]], new: list[bool], fresh: list[tuple[int, torch.Tensor]],
+    ) -> None:
+        """torch's ``g' = ±g + wd*p``, ``buf = m*buf + (1-d)*g'`` and ``p -= lr*buf`` (``lr*(g' +
+        m*buf)`` with Nesterov, ``lr*g'`` without momentum), in torch's order of operations.
+
+        Members without momentum keep ``buf = g'`` (their rows are zeroed first and their
+        dampening does not apply), which is their plain update; rows of members on their
+        first step get ``buf = g'``, as in torch.
+        """
+        lrs, wds, momenta = group["lr"], group["weight_decay"], group["momentum"]
+        pm = self._per_member
+        owned = False  # whether ``grads`` are this step's temporaries (else the .grad tensors)
+        if group["maximize"]:
+            grads = torch._foreach_neg(grads)
+            owned = True
+        if any(w != 0 for w in wds):
+            wd = pm(group, "weight_decay", wds, params)
+            if owned:
+                _add_scaled(grads, params, wd)
+            elif isinstance(wd, float):
+                grads = torch._foreach_add(grads, params, alpha=wd)
+            else:
+                grads = torch._foreach_addcmul(grads, params, wd)
+            owned = True
+        neg_lr = pm(group, "-lr", [-lr for lr in lrs], params)
+        if not states:  # no member has momentum
+            _add_scaled(params, grads, neg_lr)
+            return
+        keep = [1.0 if m == 0 else 1.0 - d for m, d in zip(momenta, group["dampening"])]
+        m = pm(group, "momentum", momenta, params)
+        old = [i for i, is_new in enumerate(new) if not is_new]
+        if old:
+            everything = len(old) == len(params)
+            bufs = [states[i]["momentum_buffer"] for i in old]
+            if any(v == 0 for v in momenta):  # buf = 0*buf + g' must not keep a NaN or inf of buf
+                rows = self._zero_momentum_rows(group, bufs[0].device)
+                for buf in bufs:
+                    buf.index_fill_(0, rows, 0)
+            m_old = m if everything else _subset(m, old)
+            if keep.count(1.0) == len(keep):
+                # buf = g' + m*buf: one pass per tensor (torch: buf.mul_(m).add_(g')).
+                if isinstance(m_old, float):
+                    for i, buf in zip(old, bufs):
+                        torch.add(grads[i], buf, alpha=m_old, out=buf)
+                else:
+                    for i, buf, mv in zip(old, bufs, m_old):
+                        torch.addcmul(grads[i], buf, mv, out=buf)
+            else:
+                damped = pm(group, "1-dampening", keep, params)
+                torch._foreach_mul_(bufs, m_old)
+                if everything:
+                    _add_scaled(bufs, grads, damped)
+                else:
+                    _add_scaled(bufs, [grads[i] for i in old], _subset(damped, old))
+        for i, rows in fresh:  # members on their first step: buf = g'
+            states[i]["momentum_buffer"].index_copy_(0, rows, grads[i].index_select(0, rows))
+        for i, is_new in enumerate(new):
+            if is_new:  # every member on its first step: buf = g'
+                states[i]["momentum_buffer"] = grads[i].detach().clone()
+                states[i]["member_steps"] = torch.zeros(self.num_members)
+        bufs = [s["momentum_buffer"] for s in states]
+        if group["nesterov"]:  # p -= lr*(g' + m*buf)
+            if owned:
+                _add_scaled(grads, bufs, m)
+            elif isinstance(m, float):
+                grads = torch._foreach_add(grads, bufs, alpha=m)
+            else:
+                grads = torch._foreach_addcmul(grads, bufs, m)
+            _add_scaled(params, grads, neg_lr)
+        else:
+            _add_scaled(params, bufs, neg_lr)
+
+    def _zero_momentum_rows(self, group: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """Indices of the members without momentum (cached while ``group["momentum"]`` is unchanged)."""
+        key = (id(group), "momentum==0")
+        momenta = tuple(group["momentum"])
+        entry = self._hp_cache.get(key)
+        if entry is None or entry[0] != momenta or entry[1].device != device:
+            rows = torch.tensor([b for b, m in enumerate(momenta) if m == 0], dtype=torch.long, device=device)
+            entry = self._hp_cache[key] = (momenta, rows)
+        return entry[1]
 
     def _step_tensor_math(self, group: dict[str, Any], p: torch.Tensor) -> None:
         """torch's single-tensor SGD with per-member values broadcast over the member axis."""
@@ -127,3 +229,16 @@ class SGD(FusedOptimizer):
         else:
             direction = grad
         p.add_(direction * self._hp([-lr for lr in group["lr"]], p))
+
+
+def _add_scaled(out: list[torch.Tensor], tensors: list[torch.Tensor], scale: float | list[torch.Tensor]) -> None:
+    """``out[i] += tensors[i] * scale[i]``: one foreach call; ``scale`` a shared float or per-member views."""
+    if isinstance(scale, float):
+        torch._foreach_add_(out, tensors, alpha=scale)
+    else:
+        torch._foreach_addcmul_(out, tensors, scale)
+
+
+def _subset(value: float | list[torch.Tensor], index: list[int]) -> float | list[torch.Tensor]:
+    """The entries ``index`` of a per-tensor operand (a shared float stays as it is)."""
+    return value if isinstance(value, float) else [value[i] for i in index]
