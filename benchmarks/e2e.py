@@ -229,7 +229,7 @@ def scratch_postgres(url: str) -> Iterator[str]:
 class FusetuneServer:
     """``fusetune serve`` in a subprocess (its own session, so its Ray processes can be ended with it)."""
 
-    def __init__(self, database_url: str, workdir: pathlib.Path, workers: int, max_array_size: int | None) -> None:
+    def __init__(self, database_url: str, workdir: pathlib.Path, workers: int | None, max_array_size: int | None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
@@ -239,8 +239,9 @@ class FusetuneServer:
             FUSETUNE_HOST="127.0.0.1",
             FUSETUNE_PORT=str(self.port),
             FUSETUNE_ARTIFACT_DIR=str(workdir / "artifacts"),
-            FUSETUNE_CPU_WORKERS=str(workers),
         )
+        if workers is not None:
+            env["FUSETUNE_CPU_WORKERS"] = str(workers)
         if max_array_size is not None:
             env["FUSETUNE_MAX_ARRAY_SIZE"] = str(max_array_size)
         exe = pathlib.Path(sys.executable).with_name("fusetune")
@@ -699,9 +700,9 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}")
     parser.add_argument("--backends", default="sqlite,postgres", help="fusetune's databases: sqlite, postgres")
     parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL,
-                        help="PostgreSQL database whose public schema is dropped and recreated")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="FUSETUNE_CPU_WORKERS (default: one per core, as Ray Tune runs one trial per core)")
+                        help="PostgreSQL server (a database of the run's own is created there and dropped)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="FUSETUNE_CPU_WORKERS (default: the server's, one per core)")
     parser.add_argument("--max-array-size", type=int, default=None,
                         help="FUSETUNE_MAX_ARRAY_SIZE for the server (default: the server's)")
     parser.add_argument("--skip-raytune-scaling", action="store_true",

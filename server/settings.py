@@ -36,11 +36,11 @@ class Settings(BaseSettings):
         description="Where workers save each finished trial's weights; shared storage when workers run on other nodes.",
     )
     max_array_size: int = Field(
-        32,
+        64,
         ge=1,
         description="Most trials fused into one array. The scheduler picks each class's size from "
-        "its measured speed-up curve up to this cap; 32 is where the digits workloads' curves "
-        "flatten on a CPU core (docs/benchmarks.md).",
+        "its measured speed-up curve up to this cap, and a class that fits one array is not split "
+        "(docs/benchmarks.md: the digits MLP still gains from B = 32 to 64 on one CPU core).",
     )
     min_member_efficiency: float = Field(
         0.1,
