@@ -50,18 +50,22 @@ def per_member_loss(
         if len(loss_fn) != b:
             raise ValueError(f"loss_fn: expected {b} loss functions, got {len(loss_fn)}")
         return torch.stack([fn(out[i], target[i]) for i, fn in enumerate(loss_fn)])
+    if b == 1:
+        # One member: its loss exactly as computed separately (squeeze, not [0]: a view whose
+        # backward is a view too).
+        return loss_fn(out.squeeze(0), target.squeeze(0)).unsqueeze(0)
     ce = _mean_reduced_cross_entropy(loss_fn)
     if ce is not None and not target.is_floating_point() and out.dim() == target.dim() + 1 >= 3:
         # Fast path for class-index targets ([B, N, C, *d] vs [B, N, *d]): one
         # kernel for all members, then torch's "mean over non-ignored targets"
         # per member.
         n = out.shape[1]
+        flat_target = target.reshape(b * n, *target.shape[2:])  # a copy when broadcast: made once
         per_elem = F.cross_entropy(
-            out.reshape(b * n, *out.shape[2:]), target.reshape(b * n, *target.shape[2:]),
-            reduction="none", **ce,
-        ).reshape(b, -1)
-        valid = (target.reshape(b, -1) != ce.get("ignore_index", -100)).sum(1)
-        return per_elem.sum(1) / valid.to(per_elem.dtype)
+            out.reshape(b * n, *out.shape[2:]), flat_target, reduction="none", **ce,
+        ).view(b, -1)
+        valid = (flat_target.reshape(b, -1) != ce.get("ignore_index", -100)).sum(1)
+        return per_elem.sum(1) / valid  # the counts promote to the loss dtype, exactly
     try:
         return torch.func.vmap(loss_fn)(out, target)
     except Exception:

@@ -26,7 +26,7 @@ class PReLU(FusedLayer):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.num_members == 1:
-            return F.prelu(input, self.weight[0])
+            return F.prelu(input, self.weight.squeeze(0))
         x = self._to_front(input)
         self._check_batch(x)
         b = self.num_members

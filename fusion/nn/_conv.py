@@ -96,8 +96,10 @@ class Conv(_ConvBase):
             padding = 0 if isinstance(self.padding, str) else (0,) * self.dims
         conv = _CONV_FN[self.dims]
         if b == 1:
-            bias1 = None if self.bias is None else self.bias[0]
-            return conv(x, self.weight[0], bias1, self.stride, padding, self.dilation, self.groups)
+            # squeeze(0), not [0]: a view whose backward is a view too (select's backward
+            # writes the gradient into a fresh zero tensor).
+            bias1 = None if self.bias is None else self.bias.squeeze(0)
+            return conv(x, self.weight.squeeze(0), bias1, self.stride, padding, self.dilation, self.groups)
         if not self._use_grouped(x):
             biases = [None] * b if self.bias is None else self.bias.unbind(0)
             return torch.cat([

@@ -88,8 +88,10 @@ class Linear(FusedLayer):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.num_members == 1:
-            # A single member is an ordinary layer: no batched matmul overhead.
-            return F.linear(input, self.weight[0], None if self.bias is None else self.bias[0])
+            # A single member is an ordinary layer: no batched matmul overhead. squeeze(0),
+            # not [0]: a view whose backward is a view too (select's backward writes the
+            # gradient into a fresh zero tensor).
+            return F.linear(input, self.weight.squeeze(0), None if self.bias is None else self.bias.squeeze(0))
         x = self._to_front(input)
         self._check_batch(x)
         lead = x.shape[:-1]

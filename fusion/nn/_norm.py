@@ -123,11 +123,14 @@ class BatchNorm(FusedLayer):
         b = self.num_members
         track = self.running_mean is not None and (not self.training or self.track_running_stats)
         if b == 1:
-            # One member: the ordinary kernel on the input itself, no cat.
+            # One member: the ordinary kernel on the input itself, no cat. squeeze(0), not [0]:
+            # views whose backward is a view too (select's writes into a fresh zero tensor).
+            def one(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.squeeze(0)
+
             return F.batch_norm(
-                input, self.running_mean[0] if track else None, self.running_var[0] if track else None,
-                None if self.weight is None else self.weight[0], None if self.bias is None else self.bias[0],
-                use_batch_stats, factor, self.eps,
+                input, one(self.running_mean) if track else None, one(self.running_var) if track else None,
+                one(self.weight), one(self.bias), use_batch_stats, factor, self.eps,
             )
         means = self.running_mean.unbind(0) if track else [None] * b
         varis = self.running_var.unbind(0) if track else [None] * b
@@ -159,8 +162,8 @@ class LayerNorm(FusedLayer):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.num_members == 1:
             return F.layer_norm(
-                input, self.normalized_shape, None if self.weight is None else self.weight[0],
-                None if self.bias is None else self.bias[0], self.eps,
+                input, self.normalized_shape, None if self.weight is None else self.weight.squeeze(0),
+                None if self.bias is None else self.bias.squeeze(0), self.eps,
             )
         x = self._to_front(input)
         self._check_batch(x)
