@@ -158,7 +158,7 @@ class Coordinator:
                 timeout = max(0.0, next_step - time.monotonic())
                 if self.pool.idle() != self.pool.workers:
                     if self._handle(self.pool.wait(timeout)):
-                        next_step = 0.0  # an array ended: its worker is free for the next one
+                        next_step = 0.0  # a worker or slots are free for waiting trials
                 else:
                     self._wake.wait(timeout)
             except Exception:  # keep scheduling; the error is in the log and the next step retries
@@ -184,13 +184,19 @@ class Coordinator:
                 self._maybe_complete(session, study)
 
     def _handle(self, events: Sequence[Event]) -> bool:
-        """Answer epoch reports and record ended arrays; returns whether an array ended."""
+        """Answer epoch reports and record ended arrays.
+
+        Returns whether a slot was freed (an array ended, or members left one), so that the
+        next scheduling round comes at once: backfill then offers the freed slots to waiting
+        trials before the array's next epoch boundary but one.
+        """
         ended = False
         for worker, spec, item in events:
             if isinstance(item, EpochReport):
                 reply = self._record_epoch(worker, item)
                 if spec.prunes:
                     self.pool.reply(worker, reply)
+                ended = ended or bool(reply.prune or item.released or any(m.state for m in item.members))
             else:
                 self._record(worker, spec, item)
                 ended = True
