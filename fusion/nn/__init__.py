@@ -2,7 +2,8 @@
 
 Only layers that own parameters, buffers or per-member settings need a twin;
 every parameter-free layer (activations, pooling, Flatten, Identity, ...)
-runs unchanged on the member-folded batch.
+runs unchanged on the member-folded batch. MaxPool2d has a twin for speed only
+(torch's CPU kernel is faster in channels-last memory; same results).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ._dropout import Dropout
 from ._embedding import Embedding
 from ._linear import Bilinear, Linear
 from ._norm import BatchNorm, GroupNorm, InstanceNorm, LayerNorm
+from ._pool import MaxPool2d
 from ._rnn import GRU, LSTM
 
 #: torch layer type -> fused twin type. Looked up by exact type so that a user
@@ -45,6 +47,7 @@ TWINS: dict[type[nn.Module], type[FusedLayer]] = {
     nn.Dropout3d: Dropout,
     nn.MultiheadAttention: MultiheadAttention,
     nn.PReLU: PReLU,
+    nn.MaxPool2d: MaxPool2d,
     nn.LSTM: LSTM,
     nn.GRU: GRU,
 }
@@ -60,6 +63,7 @@ __all__ = [
     "FusedLayer",
     "GRU",
     "LSTM",
+    "MaxPool2d",
     "MultiheadAttention",
     "PReLU",
     "pin_composable_paths",
