@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -60,6 +61,40 @@ def stack_buffer(tensors: Sequence[Any]) -> torch.Tensor | None:
     if tensors[0] is None:
         return None
     return torch.stack([t.detach() for t in tensors]).clone()
+
+
+# Member-major tensor id -> (weak reference to it, its version, its channel-major twin, B).
+_CHANNEL_MAJOR: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, int]] = {}
+
+
+def remember_channel_major(member_major: torch.Tensor, channel_major: torch.Tensor, b: int) -> None:
+    """Record that ``member_major`` (``[B*N, C, *S]``) was made from ``channel_major`` (``[N, B*C, *S]``).
+
+    Fused convolutions and batch norms compute in the channel-major layout and return
+    the member-major one (a copy). When the next layer is another of them, it takes the
+    channel-major tensor back from here instead of copying the layout once more (and its
+    backward skips both copies' backward too). The record lives as long as
+    ``member_major`` and is ignored once that is modified in place.
+    """
+    if torch._C._are_functorch_transforms_active():
+        return
+    key = id(member_major)
+
+    def forget(_ref: Any, key: int = key) -> None:
+        _CHANNEL_MAJOR.pop(key, None)
+
+    _CHANNEL_MAJOR[key] = (weakref.ref(member_major, forget), member_major._version, channel_major, b)
+
+
+def recall_channel_major(member_major: torch.Tensor, b: int) -> torch.Tensor | None:
+    """The channel-major twin of ``member_major`` from :func:`remember_channel_major`, if any."""
+    entry = _CHANNEL_MAJOR.get(id(member_major))
+    if entry is None or torch._C._are_functorch_transforms_active():
+        return None
+    ref, version, channel_major, members = entry
+    if ref() is not member_major or member_major._version != version or members != b:
+        return None
+    return channel_major
 
 
 class FusedLayer(nn.Module):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import FusionError
-from ._base import FusedLayer
+from ._base import FusedLayer, recall_channel_major, remember_channel_major
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T_FN = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -108,8 +108,13 @@ class Conv(_ConvBase):
             ])
         w = self.weight.reshape(b * self.out_channels, *self.weight.shape[2:])
         bias = None if self.bias is None else self.bias.reshape(-1)
-        y = conv(_to_channels(x, b), w, bias, self.stride, padding, self.dilation, self.groups * b)
-        return _from_channels(y, b)
+        xc = recall_channel_major(x, b) if x is input else None
+        if xc is None:
+            xc = _to_channels(x, b)
+        y = conv(xc, w, bias, self.stride, padding, self.dilation, self.groups * b)
+        out = _from_channels(y, b)
+        remember_channel_major(out, y, b)
+        return out
 
 
 class ConvTranspose(_ConvBase):

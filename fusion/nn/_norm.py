@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import FusionError
-from ._base import FusedLayer
+from ._base import FusedLayer, recall_channel_major, remember_channel_major
 
 
 class BatchNorm(FusedLayer):
@@ -85,8 +85,6 @@ class BatchNorm(FusedLayer):
         elif update:
             factors = [0.0 if m is None else float(m) for m in self.momentum]
         use_batch_stats = self.training or self.running_mean is None
-        # [B*N, C, *S] -> [N, B*C, *S]: one normalisation over all members' channels.
-        x = input.reshape(b, n, c, *input.shape[2:]).transpose(0, 1).reshape(n, b * c, *input.shape[2:])
         weight = None if self.weight is None else self.weight.reshape(-1)
         bias = None if self.bias is None else self.bias.reshape(-1)
         running_mean = running_var = None
@@ -99,6 +97,11 @@ class BatchNorm(FusedLayer):
         )
         if use_loop and (not update or uniform):
             return self._forward_loop(input, use_batch_stats, 0.0 if factors is None else factors[0])
+        # [B*N, C, *S] -> [N, B*C, *S]: one normalisation over all members' channels (taken
+        # from the layer before where it left this layout behind).
+        x = recall_channel_major(input, b)
+        if x is None:
+            x = input.reshape(b, n, c, *input.shape[2:]).transpose(0, 1).reshape(n, b * c, *input.shape[2:])
         if not update or uniform:
             y = F.batch_norm(
                 x, running_mean, running_var, weight, bias, use_batch_stats,
@@ -116,7 +119,9 @@ class BatchNorm(FusedLayer):
                 f = f.repeat_interleave(c)
                 running_mean.mul_(1 - f).add_(batch_mean * f)
                 running_var.mul_(1 - f).add_(batch_var * f)
-        return y.reshape(n, b, c, *input.shape[2:]).transpose(0, 1).reshape(input.shape)
+        out = y.reshape(n, b, c, *input.shape[2:]).transpose(0, 1).reshape(input.shape)
+        remember_channel_major(out, y, b)
+        return out
 
     def _forward_loop(self, input: torch.Tensor, use_batch_stats: bool, factor: float) -> torch.Tensor:
         """One F.batch_norm per member on its rows; running stats updated in place via row views."""
