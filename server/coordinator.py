@@ -166,7 +166,7 @@ class Coordinator:
                 self._stop.wait(self.settings.poll_interval_s)
 
     def step(self) -> None:
-        """One round: take the workers' reports, ask for new trials, start arrays on idle workers."""
+        """One round: take the workers' reports, start arrays on idle workers, ask for new trials."""
         if time.monotonic() >= self._next_refresh:
             # Accelerator nodes may join the Ray cluster after the service started.
             if self.pool.refresh():
@@ -177,9 +177,14 @@ class Coordinator:
             studies = session.scalars(
                 select(Study).where(Study.state == StudyState.RUNNING).order_by(Study.id)
             ).all()
+            # Trials asked earlier go to free workers first; asking for more (TPE's cost grows
+            # with the study) then happens while they train, and only a worker still idle
+            # waits for it.
+            self._dispatch(session)
             for study in studies:
                 self._ask(session, study)
-            self._dispatch(session)
+            if self.pool.idle():
+                self._dispatch(session)
             for study in studies:
                 self._maybe_complete(session, study)
 
