@@ -358,6 +358,10 @@ class Coordinator:
                 # Only slots its ended members freed: the array keeps the size it started with.
                 spec = busy[placement.device_id].spec
                 present = [t.id for t, _ in rows if t.array_id == spec.array_id]
+                if not present:
+                    # Every member has ended: the array stops at this boundary, and an offer
+                    # would arrive too late and wait for it to end. Its worker takes a new one.
+                    continue
                 joining = [waiting.pop(i)[0] for i in ids[: max(0, min(cap, len(spec.members)) - len(present))]]
                 if joining:
                     self._refill(session, busy[placement.device_id], spec.array_id, joining)
