@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.autograd import forward_ad
 from torch.func import functional_call, grad, jvp, vmap
 
 import fusion
+import fusion.nn._linear as linear
 from fusion.nn._linear import _BatchedLinear
 
 D = torch.float64
 B = 3
+
+
+@pytest.fixture(autouse=True)
+def _custom_backward_for_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the custom backward: use it for their small weights too."""
+    monkeypatch.setattr(linear, "CUSTOM_BACKWARD_MIN_NUMEL", 0)
 
 
 def members() -> tuple[fusion.FusedModel, list[nn.Module]]:
