@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -25,6 +25,13 @@ lrs = st.floats(min_value=1e-4, max_value=0.5)
     data=st.data(),
 )
 def test_random_mlps_match_separate_training(b, features, hidden, classes, n, use_bn, opt, data):
+    # Two cases where the gradient of the first layer's weight is zero in exact arithmetic:
+    # BatchNorm over 2 samples maps them to -1 and +1 whatever its input, and with one
+    # input feature BatchNorm undoes the scale of each weight. The computed gradients are
+    # rounding noise (~1e-17), which Adam scales up to updates of the size of lr: they
+    # cannot be compared (see run_equivalence's zero_grad_params). Both failed before the
+    # batched optimizers too (b=3, lr=0.5: n=2 at step 2; features=1, n=5 at step 0).
+    assume(not (use_bn and opt == "adam" and (n == 2 or features == 1)))
     per_lr = data.draw(st.lists(lrs, min_size=b, max_size=b))
     momentum = data.draw(st.lists(st.sampled_from([0.0, 0.5, 0.9]), min_size=b, max_size=b))
 
