@@ -120,20 +120,24 @@ class FusedOptimizer(Optimizer):
         self.__dict__.pop("_settled_params", None)
         self.__dict__.pop("_host_step_counts", None)
 
-    def _settled(self) -> dict[int, torch.Tensor]:
-        """Parameters (by id) whose per-member step counters are known to be all non-zero.
+    def _settled(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """Parameter id -> (its per-member step counter tensor, that tensor's version) for
+        parameters whose counters were found all non-zero.
 
-        Steps only ever count up, so once checked a parameter stays settled until
-        members or their state change (:meth:`_invalidate`).
+        Steps only count up, so a parameter stays settled as long as its counter tensor is
+        the same and changed only by the optimizer's own increments; anything else (a
+        membership or state change, :class:`fusion.amp.GradScaler` restoring a skipped
+        member's state) shows in the tensor's version and makes it be checked again.
         """
         return self.__dict__.setdefault("_settled_params", {})
 
     def _count_steps(self, params: list[torch.Tensor], steps: list[torch.Tensor]) -> list[tuple[float, ...]]:
         """Per parameter, its per-member step counts (the values of ``steps``, just incremented).
 
-        A host-side copy is kept and counted up in step with the tensors, so that they
-        are read back only after members or state changed (no device sync per step).
-        Parameters with equal counts share one tuple object.
+        A host-side copy is counted up along with the tensors, so that they are read back
+        (a device sync on an accelerator) only when something else changed them: their
+        version then differs from the one after the last increment. Parameters with equal
+        counts share one tuple object.
         """
         host = self._host_steps()
         canon: dict[tuple[float, ...], tuple[float, ...]] = {}
@@ -141,19 +145,19 @@ class FusedOptimizer(Optimizer):
         out = []
         for p, t in zip(params, steps):
             entry = host.get(id(p))
-            before = entry[1] if entry is not None and entry[0] is p else None
+            before = entry[2] if entry is not None and entry[0] is t and entry[1] + 1 == t._version else None
             now = None if before is None else bumped.get(id(before))
             if now is None:
                 now = tuple(t.tolist()) if before is None else tuple(c + 1 for c in before)
                 now = canon.setdefault(now, now)
                 if before is not None:
                     bumped[id(before)] = now
-            host[id(p)] = (p, now)
+            host[id(p)] = (t, t._version, now)
             out.append(now)
         return out
 
-    def _host_steps(self) -> dict[int, tuple[torch.Tensor, tuple[float, ...]]]:
-        """Parameter id -> (parameter, host-side copy of its per-member step counts); see :meth:`_count_steps`."""
+    def _host_steps(self) -> dict[int, tuple[torch.Tensor, int, tuple[float, ...]]]:
+        """Parameter id -> (its step tensor, that tensor's version, host copy of its counts)."""
         return self.__dict__.setdefault("_host_step_counts", {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

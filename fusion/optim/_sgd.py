@@ -79,16 +79,19 @@ class SGD(FusedOptimizer):
         # loaded since): ``fresh`` holds those rows.
         new = [("momentum_buffer" not in s or "member_steps" not in s) for s in states]
         fresh: list[tuple[int, torch.Tensor]] = []
-        if use_momentum:
-            settled = self._settled()
-            for i, (p, state) in enumerate(zip(params, states)):
-                if new[i] or settled.get(id(p)) is p:
-                    continue
-                zero = state["member_steps"] == 0
+        settled = self._settled()
+        calm: list[int] = []  # parameters with every member past its first step
+        for i, (p, state) in enumerate(zip(params, states)):
+            if new[i]:
+                continue
+            counter = state["member_steps"]
+            entry = settled.get(id(p))
+            if entry is None or entry[0] is not counter or entry[1] != counter._version:
+                zero = counter == 0
                 if bool(zero.any()):
                     fresh.append((i, zero.nonzero().flatten().to(p.device)))
-                else:
-                    settled[id(p)] = p
+                    continue
+            calm.append(i)
         uniform = all(v.count(v[0]) == len(v) for v in (lrs, wds, momenta, damps))
         if (
             uniform and not fresh and (all(new) or not any(new))
@@ -109,7 +112,10 @@ class SGD(FusedOptimizer):
         else:
             self._step_foreach(group, params, grads, states, new, fresh)
         if use_momentum:
-            torch._foreach_add_([s["member_steps"] for s in states], 1)
+            counters = [s["member_steps"] for s in states]
+            torch._foreach_add_(counters, 1)
+            for i in calm:
+                settled[id(params[i])] = (counters[i], counters[i]._version)
 
     def _step_foreach(
         self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],

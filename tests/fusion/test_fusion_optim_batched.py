@@ -229,3 +229,42 @@ def test_fused_kernel_once_per_group_when_members_share_every_value(opt, monkeyp
             fusion.per_member_loss(F.cross_entropy, fused(x), y).sum().backward()
             optimizer.step()
         assert calls[0] == expected  # one call per step for the shared values, none per member
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_member_skipped_once_by_the_grad_scaler_resumes_like_torch(opt):
+    """GradScaler restores a skipped member's state (its step counts too) behind the
+    optimizer's back; the optimizer's host-side copies of the counts must notice."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)) for _ in range(3)]
+    refs = [copy.deepcopy(m) for m in members]
+    fused = fusion.fuse(members)
+    lrs = [0.1, 0.05, 0.02] if opt == "sgd" else [1e-2, 5e-3, 2e-2]
+    if opt == "sgd":
+        fopt = fusion.optim.SGD(fused.parameters(), lr=lrs, momentum=[0.9, 0.5, 0.8])
+        ropts = [torch.optim.SGD(r.parameters(), lr=lr, momentum=m) for r, lr, m in zip(refs, lrs, [0.9, 0.5, 0.8])]
+    else:
+        fopt = fusion.optim.Adam(fused.parameters(), lr=lrs)
+        ropts = [torch.optim.Adam(r.parameters(), lr=lr) for r, lr in zip(refs, lrs)]
+    # Member 1 overflows at the first step only (loss ~1e4 * 2**116 > float32's max), then
+    # its scale is backed off far enough.
+    scales = [2.0**10, 2.0**116, 2.0**16]
+    scaler = fusion.amp.GradScaler(3, init_scale=scales, backoff_factor=2.0**-8, growth_interval=1000)
+    rscalers = [torch.amp.GradScaler("cpu", init_scale=s, backoff_factor=2.0**-8, growth_interval=1000)
+                for s in scales]
+    for step in range(4):
+        x, y = torch.randn(3, 8, 4), torch.randint(0, 3, (3, 8))
+        fopt.zero_grad()
+        scaler.scale(fusion.per_member_loss(F.cross_entropy, fused(x), y) * 1e4).sum().backward()
+        scaler.step(fopt)
+        scaler.update()
+        for b, (r, o, s) in enumerate(zip(refs, ropts, rscalers)):
+            o.zero_grad()
+            s.scale(F.cross_entropy(r(x[b]), y[b]) * 1e4).backward()
+            s.step(o)
+            s.update()
+            assert scaler.get_scale()[b] == s.get_scale(), f"step {step} scale of member {b}"
+            sd = fused.member_state_dict(b)
+            for k, v in r.state_dict().items():
+                assert_close(sd[k], v, f"step {step} member {b} {k}", torch.float32)
+    assert rscalers[1].get_scale() < scales[1]  # member 1 did skip a step
