@@ -20,6 +20,9 @@ def test_compose_file_has_the_production_services() -> None:
     services = compose()["services"]
     assert set(services) == {"postgres", "ray-head", "server", "gpu-worker"}
     assert services["server"]["environment"]["FUSETUNE_DATABASE_URL"].startswith("postgresql+psycopg://")
+    # Workers report through the control plane: no other container gets the credentials.
+    for name in ("ray-head", "gpu-worker"):
+        assert "FUSETUNE_DATABASE_URL" not in (services[name].get("environment") or {})
     gpus = services["gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpus["capabilities"] == ["gpu"]
 
