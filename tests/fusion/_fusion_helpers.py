@@ -201,3 +201,16 @@ def run_equivalence(
             assert_close(out[i], r(*(t[i] for t in xs)), f"eval output {i}", dtype)
     compare_state(fused, refs, dtype, "after eval", skip=zero_grad_params)
     return fused
+
+
+def optimizer_pair(torch_cls: Any, fused_cls: Any, per_member: dict, shared: dict | None = None) -> tuple[Any, Any]:
+    """Factories of member i's torch optimizer and of the fused one with every member's values."""
+    shared = shared or {}
+
+    def ref(i: int, m: nn.Module) -> torch.optim.Optimizer:
+        return torch_cls(m.parameters(), **{k: v[i] for k, v in per_member.items()}, **shared)
+
+    def fused(f: nn.Module) -> torch.optim.Optimizer:
+        return fused_cls(f.parameters(), **per_member, **shared)
+
+    return ref, fused

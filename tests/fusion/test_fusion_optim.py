@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fusion
-from _fusion_helpers import classification_batch, run_equivalence
+from _fusion_helpers import classification_batch, optimizer_pair as pair, run_equivalence
 
 B = 3
 
@@ -18,18 +18,6 @@ def mlp() -> nn.Module:
 
 def batch(b: int):
     return classification_batch(b, 6, (4, 4), 5, torch.float64)
-
-
-def pair(torch_cls, fused_cls, per_member: dict, shared: dict | None = None):
-    shared = shared or {}
-
-    def ref(i, m):
-        return torch_cls(m.parameters(), **{k: v[i] for k, v in per_member.items()}, **shared)
-
-    def fused(f):
-        return fused_cls(f.parameters(), **per_member, **shared)
-
-    return ref, fused
 
 
 OPTIMIZERS = {

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusion
-from _fusion_helpers import assert_close, compare_optimizer_state, compare_state, run_equivalence
+from _fusion_helpers import assert_close, compare_optimizer_state, compare_state, optimizer_pair as pair, run_equivalence
 
 D = torch.float64
 
@@ -29,18 +29,6 @@ def mlp() -> nn.Module:
 
 def batch(b: int):
     return torch.randn(b, 6, 4, 4, dtype=D), torch.randint(0, 5, (b, 6))
-
-
-def pair(torch_cls, fused_cls, per_member: dict, shared: dict | None = None):
-    shared = shared or {}
-
-    def ref(i, m):
-        return torch_cls(m.parameters(), **{k: v[i] for k, v in per_member.items()}, **shared)
-
-    def fused(f):
-        return fused_cls(f.parameters(), **per_member, **shared)
-
-    return ref, fused
 
 
 SGD_CASES = {
