@@ -135,13 +135,7 @@ class SGD(FusedOptimizer):
             grads = torch._foreach_neg(grads)
             owned = True
         if any(w != 0 for w in wds):
-            wd = pm(group, "weight_decay", wds, params)
-            if owned:
-                _add_scaled(grads, params, wd)
-            elif isinstance(wd, float):
-                grads = torch._foreach_add(grads, params, alpha=wd)
-            else:
-                grads = torch._foreach_addcmul(grads, params, wd)
+            grads = _plus_scaled(grads, params, pm(group, "weight_decay", wds, params), in_place=owned)
             owned = True
         neg_lr = pm(group, "-lr", [-lr for lr in lrs], params)
         if not states:  # no member has momentum
@@ -181,13 +175,7 @@ class SGD(FusedOptimizer):
                 states[i]["member_steps"] = torch.zeros(self.num_members)
         bufs = [s["momentum_buffer"] for s in states]
         if group["nesterov"]:  # p -= lr*(g' + m*buf)
-            if owned:
-                _add_scaled(grads, bufs, m)
-            elif isinstance(m, float):
-                grads = torch._foreach_add(grads, bufs, alpha=m)
-            else:
-                grads = torch._foreach_addcmul(grads, bufs, m)
-            _add_scaled(params, grads, neg_lr)
+            _add_scaled(params, _plus_scaled(grads, bufs, m, in_place=owned), neg_lr)
         else:
             _add_scaled(params, bufs, neg_lr)
 
@@ -243,6 +231,19 @@ def _add_scaled(out: list[torch.Tensor], tensors: list[torch.Tensor], scale: flo
         torch._foreach_add_(out, tensors, alpha=scale)
     else:
         torch._foreach_addcmul_(out, tensors, scale)
+
+
+def _plus_scaled(
+    tensors: list[torch.Tensor], others: list[torch.Tensor], scale: float | list[torch.Tensor], in_place: bool
+) -> list[torch.Tensor]:
+    """``tensors[i] + others[i] * scale[i]``: in place when ``tensors`` are this step's own
+    temporaries, else new tensors (the ``.grad`` tensors are not the optimizer's to change)."""
+    if in_place:
+        _add_scaled(tensors, others, scale)
+        return tensors
+    if isinstance(scale, float):
+        return list(torch._foreach_add(tensors, others, alpha=scale))
+    return list(torch._foreach_addcmul(tensors, others, scale))
 
 
 def _subset(value: float | list[torch.Tensor], index: list[int]) -> float | list[torch.Tensor]:
