@@ -245,7 +245,7 @@ class FusetuneServer:
         if max_array_size is not None:
             env["FUSETUNE_MAX_ARRAY_SIZE"] = str(max_array_size)
         exe = pathlib.Path(sys.executable).with_name("fusetune")
-        cmd = [str(exe), "serve"] if exe.exists() else [sys.executable, "-m", "server.cli", "serve"]
+        cmd = [str(exe), "serve"] if exe.exists() else [sys.executable, "-m", "fusetune.server.cli", "serve"]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -403,7 +403,7 @@ def raytune_trial(config: dict[str, Any], workload_name: str, epochs: int, seed:
     import torch
     from ray import tune
 
-    from workers.workloads import get_workload
+    from fusetune.workers.workloads import get_workload
 
     torch.set_num_threads(1)
     workload = get_workload(workload_name)
@@ -449,7 +449,7 @@ class WorkloadSpace:
         self.workload_name = workload_name
 
     def __call__(self, trial: Any) -> None:
-        from workers.workloads import get_workload
+        from fusetune.workers.workloads import get_workload
 
         get_workload(self.workload_name).search_space(trial)
         return None
@@ -470,7 +470,7 @@ def run_raytune(sweep: Sweep, seed: int, storage: pathlib.Path) -> tuple[float, 
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
-    from workers.workloads import get_workload
+    from fusetune.workers.workloads import get_workload
 
     workload = get_workload(sweep.workload)
     mode = "max" if workload.direction == "maximize" else "min"

@@ -212,7 +212,7 @@ def sizing_report(names: list[str], members: list[int], batch: int, steps: int, 
     array goes on to train it. An unfused pick (B=1) runs the members as ordinary
     models, i.e. at serial speed by definition.
     """
-    from fusion import sizing
+    from fusetune.fusion import sizing
 
     print(f"{'model':<12}{'max B':>6}{'best B':>7}{'fusion pays':>12}{'pick x serial':>15}   speedup vs unfused by B")
     for name in names:

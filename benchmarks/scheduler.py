@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler import (  # noqa: E402  (path set up above for running as a script)
+from fusetune.scheduler import (  # noqa: E402  (path set up above for running as a script)
     POLICIES,
     Device,
     PendingTrial,

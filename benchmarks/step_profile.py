@@ -50,8 +50,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fusion  # noqa: E402
-from workers.training import OPTIMIZER_HPARAMS, optimizer_kwargs  # noqa: E402
-from workers.workloads import get_workload  # noqa: E402
+from fusetune.workers.training import OPTIMIZER_HPARAMS, optimizer_kwargs  # noqa: E402
+from fusetune.workers.workloads import get_workload  # noqa: E402
 
 #: Benchmark name -> (workload, build params shared by all members).
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from server.db.models import Base
+from fusetune.server.db.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -11,12 +11,12 @@ Public surface (everything else lives in private modules):
 * :class:`AllocationProblem`, :class:`Allocation`, :func:`solve_allocation` -- the LPs.
 """
 
-from scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy, solve_allocation
-from scheduler._packing import ArrayPlan, PendingTrial, pack
-from scheduler._scheduler import POLICIES, PolicyName, Scheduler, make_scheduler
-from scheduler._signature import Signature, fusible_params, shape_signature
-from scheduler._throughput import SpeedupCurve, ThroughputModel, fit_curve, fit_points
-from scheduler._types import Decision, Device, Placement, Tenant
+from fusetune.scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy, solve_allocation
+from fusetune.scheduler._packing import ArrayPlan, PendingTrial, pack
+from fusetune.scheduler._scheduler import POLICIES, PolicyName, Scheduler, make_scheduler
+from fusetune.scheduler._signature import Signature, fusible_params, shape_signature
+from fusetune.scheduler._throughput import SpeedupCurve, ThroughputModel, fit_curve, fit_points
+from fusetune.scheduler._types import Decision, Device, Placement, Tenant
 
 __all__ = [
     "Allocation",

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler._throughput import SpeedupCurve
+from fusetune.scheduler._throughput import SpeedupCurve
 
 __all__ = [
     "HFTA_POINTNET_V100_MARGINAL_COST",

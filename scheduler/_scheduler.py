@@ -16,10 +16,10 @@ from typing import Literal
 
 import numpy as np
 
-from scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy, solve_allocation
-from scheduler._packing import PendingTrial
-from scheduler._throughput import SpeedupCurve, ThroughputModel
-from scheduler._types import Decision, Device, Placement, Tenant
+from fusetune.scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy, solve_allocation
+from fusetune.scheduler._packing import PendingTrial
+from fusetune.scheduler._throughput import SpeedupCurve, ThroughputModel
+from fusetune.scheduler._types import Decision, Device, Placement, Tenant
 
 __all__ = ["Scheduler", "PolicyName", "POLICIES", "make_scheduler"]
 

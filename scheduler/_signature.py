@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion import layout as fusion_layout
+from fusetune.fusion import layout as fusion_layout
 
 __all__ = ["Signature", "shape_signature", "fusible_params", "canonical_json"]
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler._allocation import equal_share_utilities
-from scheduler._packing import PendingTrial
-from scheduler._scheduler import make_scheduler
-from scheduler._throughput import SpeedupCurve, ThroughputModel
-from scheduler._trace import TraceStudy, TraceTrial
-from scheduler._types import Device, Placement, Tenant
+from fusetune.scheduler._allocation import equal_share_utilities
+from fusetune.scheduler._packing import PendingTrial
+from fusetune.scheduler._scheduler import make_scheduler
+from fusetune.scheduler._throughput import SpeedupCurve, ThroughputModel
+from fusetune.scheduler._trace import TraceStudy, TraceTrial
+from fusetune.scheduler._types import Device, Placement, Tenant
 
 __all__ = ["SimResult", "simulate"]
 

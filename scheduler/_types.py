@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler._allocation import Allocation
+from fusetune.scheduler._allocation import Allocation
 
 __all__ = ["Device", "Tenant", "Placement", "Decision"]
 

@@ -16,10 +16,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from scheduler._calibration import GPU_MEMORY_BYTES, load_job_type_curves
-from scheduler._scheduler import POLICIES
-from scheduler._simulator import SimResult, simulate
-from scheduler._trace import load_philly_studies, per_trial_tenants, write_gavel_trace
+from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, load_job_type_curves
+from fusetune.scheduler._scheduler import POLICIES
+from fusetune.scheduler._simulator import SimResult, simulate
+from fusetune.scheduler._trace import load_philly_studies, per_trial_tenants, write_gavel_trace
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 DEFAULT_POLICIES = ("fifo", "gavel", "oef", "fusion-greedy", "fusetune")

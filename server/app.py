@@ -11,12 +11,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server import service
-from server.api import health_router, router
-from server.coordinator import Coordinator
-from server.db import get_optuna_storage, get_sessionmaker, upgrade
-from server.settings import Settings, get_settings
-from workers.pool import WorkerPool
+from fusetune.server import service
+from fusetune.server.api import health_router, router
+from fusetune.server.coordinator import Coordinator
+from fusetune.server.db import get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.settings import Settings, get_settings
+from fusetune.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 

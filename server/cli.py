@@ -12,8 +12,8 @@ from typing import Any
 
 import uvicorn
 
-from client import Client, FusetuneError
-from server.settings import Settings, get_settings
+from fusetune.client import Client, FusetuneError
+from fusetune.server.settings import Settings, get_settings
 
 #: The demo sweep: lr, momentum and weight decay are fusible; the two hidden widths are not.
 DEMO_SWEEP: dict[str, Any] = {
@@ -28,7 +28,7 @@ class BackgroundServer:
     """uvicorn serving the app in a thread of this process, for ``demo`` and tests."""
 
     def __init__(self, settings: Settings, schedule: bool = True) -> None:
-        from server.app import create_app
+        from fusetune.server.app import create_app
 
         app = create_app(settings, schedule=schedule)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
@@ -59,7 +59,7 @@ def _print_trials(client: Client, study_id: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from server.app import create_app
+    from fusetune.server.app import create_app
 
     settings = get_settings()
     uvicorn.run(create_app(settings), host=args.host or settings.host, port=args.port or settings.port)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["simulate"]:
-        from scheduler import sim
+        from fusetune.scheduler import sim
 
         return sim.main(argv[1:])
     args = parser.parse_args(argv)

@@ -23,7 +23,7 @@ from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from scheduler import (
+from fusetune.scheduler import (
     Device,
     PendingTrial,
     Placement,
@@ -33,8 +33,8 @@ from scheduler import (
     pack,
     shape_signature,
 )
-from scheduler import Tenant as SchedulerTenant
-from server.db import (
+from fusetune.scheduler import Tenant as SchedulerTenant
+from fusetune.server.db import (
     Array,
     ArrayMember,
     ArrayState,
@@ -49,14 +49,14 @@ from server.db import (
     get_sessionmaker,
     utcnow,
 )
-from server.mirror import StudyMirror
-from server.optuna_specs import make_pruner, make_sampler
-from server.schemas import parse_search_space
-from server.settings import Settings
-from workers.checkpoints import checkpoint_path
-from workers.pool import Event, WorkerHandle, WorkerPool
-from workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
-from workers.workloads import Workload, get_workload
+from fusetune.server.mirror import StudyMirror
+from fusetune.server.optuna_specs import make_pruner, make_sampler
+from fusetune.server.schemas import parse_search_space
+from fusetune.server.settings import Settings
+from fusetune.workers.checkpoints import checkpoint_path
+from fusetune.workers.pool import Event, WorkerHandle, WorkerPool
+from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
+from fusetune.workers.workloads import Workload, get_workload
 
 log = logging.getLogger(__name__)
 

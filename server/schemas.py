@@ -10,9 +10,9 @@ from typing import Any, Literal
 import optuna
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from server.db import ArrayState, StudyState, TrialState
-from server.optuna_specs import PRUNERS, SAMPLERS, SpecError, make_pruner, make_sampler
-from workers.workloads import UnknownWorkloadError, get_workload
+from fusetune.server.db import ArrayState, StudyState, TrialState
+from fusetune.server.optuna_specs import PRUNERS, SAMPLERS, SpecError, make_pruner, make_sampler
+from fusetune.workers.workloads import UnknownWorkloadError, get_workload
 
 
 class ComponentSpec(BaseModel):

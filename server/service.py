@@ -13,10 +13,10 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from server.db import Array, Study, Tenant, Trial, TrialState, get_optuna_storage
-from server.optuna_specs import make_sampler
-from server.schemas import ArrayOut, BestTrial, StudyCreate, StudyOut, TenantOut, TenantUpdate, TrialOut
-from workers.workloads import get_workload
+from fusetune.server.db import Array, Study, Tenant, Trial, TrialState, get_optuna_storage
+from fusetune.server.optuna_specs import make_sampler
+from fusetune.server.schemas import ArrayOut, BestTrial, StudyCreate, StudyOut, TenantOut, TenantUpdate, TrialOut
+from fusetune.workers.workloads import get_workload
 
 
 class NotFound(LookupError):

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 if TYPE_CHECKING:
-    from client import Client
+    from fusetune.client import Client
 
 POSTGRES_ENV = "FUSETUNE_TEST_POSTGRES_URL"
 
@@ -28,9 +28,9 @@ def free_port() -> int:
 @contextmanager
 def running_service(ray_address: str, database_url: str, **settings: object) -> Iterator["Client"]:
     """A live uvicorn serving the whole service (API, scheduling loop, Ray workers)."""
-    from client import Client
-    from server.cli import BackgroundServer
-    from server.settings import Settings
+    from fusetune.client import Client
+    from fusetune.server.cli import BackgroundServer
+    from fusetune.server.settings import Settings
 
     config = Settings(database_url=database_url, port=free_port(), ray_address=ray_address, **settings)
     server = BackgroundServer(config).start()
@@ -66,7 +66,7 @@ def _postgres_database() -> Iterator[str]:
     try:
         yield make_url(base).set(database=name).render_as_string(hide_password=False)
     finally:
-        from server.db import get_engine, get_optuna_storage
+        from fusetune.server.db import get_engine, get_optuna_storage
 
         url = make_url(base).set(database=name).render_as_string(hide_password=False)
         if get_engine.cache_info().currsize:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import BackgroundServer, main
-from server.settings import Settings
+from fusetune.server.cli import BackgroundServer, main
+from fusetune.server.settings import Settings
 from tests.conftest import free_port
 
 

@@ -26,7 +26,7 @@ def test_demo_sweep(ray_cluster: str, tmp_path: Path) -> None:
         "FUSETUNE_CPU_WORKERS": "2",
     }
     done = subprocess.run(
-        [sys.executable, "-m", "server.cli", "demo", "--exit", "--timeout", "290"],
+        [sys.executable, "-m", "fusetune.server.cli", "demo", "--exit", "--timeout", "290"],
         cwd=tmp_path,
         env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         capture_output=True,

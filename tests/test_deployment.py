@@ -38,5 +38,5 @@ def test_docker_compose_config_accepts_the_file() -> None:
 def test_the_server_container_command_exists() -> None:
     command = compose()["services"]["server"]["command"]
     assert "fusetune serve --host 0.0.0.0 --port 8000" in command
-    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "fusetune.server.cli", "serve", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and "--host" in done.stdout and "--port" in done.stdout

@@ -20,13 +20,13 @@ import optuna
 import pytest
 from sqlalchemy import Engine, event, select
 
-from scheduler import fit_points
-from server import service
-from server.coordinator import Coordinator
-from server.db import Array, Study, StudyState, Throughput, get_optuna_storage, get_sessionmaker, upgrade
-from server.schemas import StudyCreate
-from server.settings import Settings
-from workers.pool import WorkerPool
+from fusetune.scheduler import fit_points
+from fusetune.server import service
+from fusetune.server.coordinator import Coordinator
+from fusetune.server.db import Array, Study, StudyState, Throughput, get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.schemas import StudyCreate
+from fusetune.server.settings import Settings
+from fusetune.workers.pool import WorkerPool
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +131,10 @@ def test_workers_import_nothing_from_the_server() -> None:
         bad = {n for n in _imports(path) if n.split(".")[0] == "server" or n.startswith("fusetune.server")}
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
     # Also at run time: loading the worker actor pulls in no server module.
-    code = "import sys, workers.actor, workers.pool; print(sorted(m for m in sys.modules if m.split('.')[0] == 'server'))"
+    code = (
+        "import sys, fusetune.workers.actor, fusetune.workers.pool; "
+        "print(sorted(m for m in sys.modules if m.startswith('fusetune.server') or m.split('.')[0] == 'server'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

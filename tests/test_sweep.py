@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import optuna
 import pytest
 
-from client import Client
+from fusetune.client import Client
 from tests.conftest import running_service
 
 pytestmark = pytest.mark.slow

@@ -15,12 +15,12 @@ import optuna
 import pytest
 from sqlalchemy import select
 
-from server import service
-from server.coordinator import Coordinator
-from server.db import Throughput, Array, Study, get_optuna_storage, get_sessionmaker, upgrade
-from server.schemas import StudyCreate, TenantUpdate
-from server.settings import Settings
-from workers.pool import WorkerPool
+from fusetune.server import service
+from fusetune.server.coordinator import Coordinator
+from fusetune.server.db import Throughput, Array, Study, get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.schemas import StudyCreate, TenantUpdate
+from fusetune.server.settings import Settings
+from fusetune.workers.pool import WorkerPool
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from client import Client
-from server.db import get_engine
+from fusetune.client import Client
+from fusetune.server.db import get_engine
 from tests.conftest import running_service
-from workers.workloads import get_workload
+from fusetune.workers.workloads import get_workload
 
 pytestmark = pytest.mark.slow
 D = optuna.distributions

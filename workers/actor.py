@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import torch
 
-import fusion
-from workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
-from workers.training import train_array
+import fusetune.fusion as fusion
+from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
+from fusetune.workers.training import train_array
 
 #: How long an array waits for the control plane's reply to an epoch report before it fails.
 REPLY_TIMEOUT_S = 600.0

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import ray
 
-from workers.actor import ArrayWorker
-from workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
+from fusetune.workers.actor import ArrayWorker
+from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
 
 #: One thing a worker said: an epoch report of the array it trains, or how the array ended
 #: (its outcome, or the error that ended it, the worker's death included).

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-import fusion
-from workers.checkpoints import CheckpointWriter, checkpoint_path, load_checkpoint
-from workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, Joined, MemberReport, MemberSpec
-from workers.workloads import Workload, get_workload
+import fusetune.fusion as fusion
+from fusetune.workers.checkpoints import CheckpointWriter, checkpoint_path, load_checkpoint
+from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, Joined, MemberReport, MemberSpec
+from fusetune.workers.workloads import Workload, get_workload
 
 #: Per-member hyper-parameters each optimizer takes from a trial's params, with torch's defaults.
 OPTIMIZER_HPARAMS: dict[str, dict[str, Any]] = {

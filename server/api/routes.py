@@ -8,8 +8,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request, status
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from server import service
-from server.schemas import ArrayOut, Health, StudyCreate, StudyOut, TenantOut, TenantUpdate, TrialOut
+from fusetune.server import service
+from fusetune.server.schemas import ArrayOut, Health, StudyCreate, StudyOut, TenantOut, TenantUpdate, TrialOut
 
 router = APIRouter(prefix="/api/v1")
 health_router = APIRouter()

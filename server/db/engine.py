@@ -11,7 +11,7 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-import migrations
+import fusetune.migrations as migrations
 
 if TYPE_CHECKING:
     import optuna

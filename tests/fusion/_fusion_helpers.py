@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fusion
+import fusetune.fusion as fusion
 
 
 def tolerances(dtype: torch.dtype) -> float:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fusion
+import fusetune.fusion as fusion
 from _fusion_helpers import classification_batch, make_members, run_equivalence
 
 B = 3

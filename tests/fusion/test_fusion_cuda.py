@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fusion
+import fusetune.fusion as fusion
 from _fusion_helpers import classification_batch, run_equivalence
 from benchmarks.zoo import PointNet, ResNet18
-from fusion import sizing
+from fusetune.fusion import sizing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-import fusion
+import fusetune.fusion as fusion
 
 
 class Scaled(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-import fusion
+import fusetune.fusion as fusion
 
 
 class Scale(nn.Module):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-import fusion
-import fusion.nn._base as base
+import fusetune.fusion as fusion
+import fusetune.fusion.nn._base as base
 from _fusion_helpers import classification_batch, run_equivalence
 
 D = torch.float64
@@ -63,8 +63,8 @@ def test_matches_separate_models(factory, monkeypatch):
         handed[0] += out is not None
         return out
 
-    monkeypatch.setattr("fusion.nn._conv.recall_channel_major", counting)
-    monkeypatch.setattr("fusion.nn._norm.recall_channel_major", counting)
+    monkeypatch.setattr("fusetune.fusion.nn._conv.recall_channel_major", counting)
+    monkeypatch.setattr("fusetune.fusion.nn._norm.recall_channel_major", counting)
 
     def ref(i, m):
         return torch.optim.SGD(m.parameters(), lr=[0.1, 0.05, 0.2][i], momentum=0.9)

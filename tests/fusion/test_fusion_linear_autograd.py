@@ -11,9 +11,9 @@ from torch import nn
 from torch.autograd import forward_ad
 from torch.func import functional_call, grad, jvp, vmap
 
-import fusion
-import fusion.nn._linear as linear
-from fusion.nn._linear import _BatchedLinear
+import fusetune.fusion as fusion
+import fusetune.fusion.nn._linear as linear
+from fusetune.fusion.nn._linear import _BatchedLinear
 
 D = torch.float64
 B = 3

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fusion
+import fusetune.fusion as fusion
 from _fusion_helpers import assert_close, compare_optimizer_state, compare_state, optimizer_pair as pair, run_equivalence
 
 D = torch.float64

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-import fusion
+import fusetune.fusion as fusion
 from _fusion_helpers import classification_batch, run_equivalence
-from fusion.nn._pool import CHANNELS_LAST_MIN_CHANNELS, MaxPool2d
+from fusetune.fusion.nn._pool import CHANNELS_LAST_MIN_CHANNELS, MaxPool2d
 
 D = torch.float64
 

@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import fusion
+import fusetune.fusion as fusion
 from _fusion_helpers import run_equivalence
 
 lrs = st.floats(min_value=1e-4, max_value=0.5)

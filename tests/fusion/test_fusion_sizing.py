@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-import fusion
-from fusion import sizing
+import fusetune.fusion as fusion
+from fusetune.fusion import sizing
 
 
 def small_mlp() -> nn.Module:

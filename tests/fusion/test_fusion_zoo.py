@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-import fusion
+import fusetune.fusion as fusion
 from _fusion_helpers import classification_batch, run_equivalence
 from benchmarks.zoo import PointNet, ResNet18
 

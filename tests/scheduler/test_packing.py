@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import ArrayPlan, PendingTrial, pack
+from fusetune.scheduler import ArrayPlan, PendingTrial, pack
 
 
 def _trials(sigs: list[str], priorities: list[float] | None = None) -> list[PendingTrial]:

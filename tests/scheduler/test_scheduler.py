@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import (
+from fusetune.scheduler import (
     Decision,
     Device,
     PendingTrial,

@@ -16,8 +16,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import fusion
-from scheduler import shape_signature
+import fusetune.fusion as fusion
+from fusetune.scheduler import shape_signature
 
 SETTINGS = {"batch_size": 8, "optimizer": "adam", "epochs": 2}
 

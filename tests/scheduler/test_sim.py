@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from scheduler._calibration import GPU_MEMORY_BYTES, load_job_type_curves, marginal_cost_floor
-from scheduler._simulator import simulate
-from scheduler._trace import load_philly_studies, per_trial_tenants, write_gavel_trace
-from scheduler.sim import format_table, main, parse_cluster
+from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, load_job_type_curves, marginal_cost_floor
+from fusetune.scheduler._simulator import simulate
+from fusetune.scheduler._trace import load_philly_studies, per_trial_tenants, write_gavel_trace
+from fusetune.scheduler.sim import format_table, main, parse_cluster
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 pytestmark = pytest.mark.skipif(not (DATA / "philly_jobs.csv").exists(), reason="shared trace data not present")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import SpeedupCurve, ThroughputModel, fit_points
+from fusetune.scheduler import SpeedupCurve, ThroughputModel, fit_points
 
 
 def test_curve_matches_hfta_calibration_points() -> None:
@@ -71,7 +71,7 @@ def test_invalid_model_arguments() -> None:
 
 
 def test_fit_curve_from_dry_run() -> None:
-    from scheduler import fit_curve
+    from fusetune.scheduler import fit_curve
 
     truth = SpeedupCurve(10.0, 0.1)
     measured = {b: truth.rate(b) for b in (1, 2, 4, 8)}

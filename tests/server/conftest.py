@@ -5,8 +5,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.cli import BackgroundServer
-from server.settings import Settings
+from fusetune.server.cli import BackgroundServer
+from fusetune.server.settings import Settings
 from tests.conftest import free_port
 
 

@@ -7,8 +7,8 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.script import ScriptDirectory
 
-from server.db import Base, get_engine, get_optuna_storage, upgrade
-from server.db.engine import VERSION_TABLE, alembic_config
+from fusetune.server.db import Base, get_engine, get_optuna_storage, upgrade
+from fusetune.server.db.engine import VERSION_TABLE, alembic_config
 
 
 #: The newest migration: upgrading must land there.

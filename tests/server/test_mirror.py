@@ -8,8 +8,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from server.db import get_optuna_storage, get_sessionmaker, upgrade
-from server.mirror import StudyMirror
+from fusetune.server.db import get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.mirror import StudyMirror
 
 
 def space(trial: optuna.Trial) -> dict:

@@ -9,7 +9,7 @@ import optuna
 import pytest
 import sqlalchemy as sa
 
-from server.db import get_engine
+from fusetune.server.db import get_engine
 
 VALID = {"workload": "digits-mlp", "n_trials": 4, "epochs": 2}
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from workers.training import optimizer_kwargs
-from workers.workloads import get_workload
+from fusetune.workers.training import optimizer_kwargs
+from fusetune.workers.workloads import get_workload
 
 
 def test_sgd_takes_per_member_values_with_workload_and_torch_defaults() -> None:

@@ -6,7 +6,7 @@ import optuna
 import pytest
 import torch
 
-from workers.workloads import UnknownWorkloadError, Workload, available_workloads, digits_datasets, get_workload
+from fusetune.workers.workloads import UnknownWorkloadError, Workload, available_workloads, digits_datasets, get_workload
 
 
 def test_builtins_are_listed() -> None:
@@ -14,7 +14,7 @@ def test_builtins_are_listed() -> None:
 
 
 def test_lookup_by_import_path() -> None:
-    assert get_workload("workers.workloads._digits:DIGITS_CNN") is get_workload("digits-cnn")
+    assert get_workload("fusetune.workers.workloads._digits:DIGITS_CNN") is get_workload("digits-cnn")
 
 
 @pytest.mark.parametrize(
@@ -22,7 +22,7 @@ def test_lookup_by_import_path() -> None:
     [
         ("nope", "unknown workload 'nope'; known workloads: digits-cnn, digits-mlp"),
         ("no.such.module:thing", "cannot import workload 'no.such.module:thing'"),
-        ("workers.workloads:get_workload", "is a function, not a fusetune Workload"),
+        ("fusetune.workers.workloads:get_workload", "is a function, not a fusetune Workload"),
     ],
 )
 def test_unknown_workloads_say_why(name: str, message: str) -> None:
