@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -20,11 +21,16 @@ class FusetuneError(RuntimeError):
 
 
 class Client:
-    """Talks to one fusetune service, e.g. ``Client("http://127.0.0.1:8000")``."""
+    """Talks to one fusetune service, e.g. ``Client("http://127.0.0.1:8000", token=...)``.
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 30.0) -> None:
+    ``token`` is a tenant's (or the admin's) bearer token; ``FUSETUNE_TOKEN`` when omitted.
+    """
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        token = token if token is not None else os.environ.get("FUSETUNE_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def close(self) -> None:
         self._http.close()
@@ -56,14 +62,21 @@ class Client:
         """Submit a study given as the raw request body (e.g. loaded from ``sweep.json``)."""
         return self._call("POST", "/api/v1/studies", json=request)
 
-    def studies(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/api/v1/studies")
+    def studies(self, name: str | None = None) -> list[dict[str, Any]]:
+        """The studies this token sees; only the one named ``name`` if given."""
+        return self._call("GET", "/api/v1/studies", params={"name": name} if name is not None else {})
 
     def study(self, study_id: int) -> dict[str, Any]:
         return self._call("GET", f"/api/v1/studies/{study_id}")
 
     def trials(self, study_id: int) -> list[dict[str, Any]]:
         return self._call("GET", f"/api/v1/studies/{study_id}/trials")
+
+    def trial(self, trial_id: int) -> dict[str, Any]:
+        return self._call("GET", f"/api/v1/trials/{trial_id}")
+
+    def set_study_user_attr(self, study_id: int, key: str, value: Any) -> dict[str, Any]:
+        return self._call("PUT", f"/api/v1/studies/{study_id}/user_attrs/{key}", json={"value": value})
 
     def arrays(self, study_id: int | None = None) -> list[dict[str, Any]]:
         params = {"study_id": study_id} if study_id is not None else {}
