@@ -29,6 +29,7 @@ class Client:
     def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
         token = token if token is not None else os.environ.get("FUSETUNE_TOKEN")
+        self.token = token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
@@ -75,12 +76,50 @@ class Client:
     def trial(self, trial_id: int) -> dict[str, Any]:
         return self._call("GET", f"/api/v1/trials/{trial_id}")
 
+    def enqueue_trial(self, study_id: int, params: dict[str, Any], user_attrs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Optuna's ``enqueue_trial`` on the service: the study's next trial, asked at once."""
+        body = {"params": params, "user_attrs": user_attrs or {}}
+        return self._call("POST", f"/api/v1/studies/{study_id}/trials", json=body)
+
+    def decide_pruning(self, trial_id: int, step: int, prune: bool) -> dict[str, Any]:
+        """A client-driven study's pruning decision on the trial's value at ``step``."""
+        return self._call("POST", f"/api/v1/trials/{trial_id}/pruning", json={"step": step, "prune": prune})
+
     def set_study_user_attr(self, study_id: int, key: str, value: Any) -> dict[str, Any]:
         return self._call("PUT", f"/api/v1/studies/{study_id}/user_attrs/{key}", json={"value": value})
 
     def arrays(self, study_id: int | None = None) -> list[dict[str, Any]]:
         params = {"study_id": study_id} if study_id is not None else {}
         return self._call("GET", "/api/v1/arrays", params=params)
+
+    # Tenants and tokens. Creating tenants and changing weights or quotas takes the admin's token.
+
+    def tenants(self) -> list[dict[str, Any]]:
+        """Every tenant (admin), or this token's own tenant."""
+        return self._call("GET", "/api/v1/tenants")
+
+    def create_tenant(self, name: str, weight: float = 1.0, **fields: Any) -> dict[str, Any]:
+        """A new tenant (admin): ``{"tenant": {...}, "token": {"id": ..., "token": ...}}``; the
+        token is shown only here. ``fields``: max_running_studies, max_trials_per_study, token_label."""
+        return self._call("POST", "/api/v1/tenants", json={"name": name, "weight": weight, **fields})
+
+    def update_tenant(self, name: str, **fields: Any) -> dict[str, Any]:
+        """Change a tenant's weight, max_running_studies or max_trials_per_study (admin; None: no limit)."""
+        return self._call("PATCH", f"/api/v1/tenants/{name}", json=fields)
+
+    def set_weight(self, name: str, weight: float) -> dict[str, Any]:
+        return self.update_tenant(name, weight=weight)
+
+    def tokens(self, tenant: str) -> list[dict[str, Any]]:
+        """A tenant's tokens: ids, labels, dates (never the tokens themselves)."""
+        return self._call("GET", f"/api/v1/tenants/{tenant}/tokens")
+
+    def create_token(self, tenant: str, label: str | None = None) -> dict[str, Any]:
+        """Another token for ``tenant`` (the admin, or the tenant itself); ``["token"]`` is shown only here."""
+        return self._call("POST", f"/api/v1/tenants/{tenant}/tokens", json={"label": label})
+
+    def revoke_token(self, token_id: int) -> dict[str, Any]:
+        return self._call("DELETE", f"/api/v1/tokens/{token_id}")
 
     def wait(self, study_id: int, timeout: float = 600.0, poll: float = 1.0, on_poll: Any = None) -> dict[str, Any]:
         """Block until the study is COMPLETE; ``on_poll(study)`` is called on each poll."""

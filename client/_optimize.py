@@ -1,0 +1,212 @@
+"""``fusetune.client.optimize``: train the trials of a user's own Optuna study on the service.
+
+The user's study stays where it is (any storage, any sampler, any pruner). Trials are asked
+in the user's process, with :class:`~fusetune.client.samplers.FusionSampler` around the
+study's sampler so that they come out in fusible groups; each goes to the service as an
+enqueued trial of a *client-driven* service study. Their intermediate values, values and
+states come back into the user's study as the service records them, and after every epoch
+the user's pruner decides, in the user's process, whether the trial goes on; the service's
+array waits for that answer at the epoch boundary.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from ._client import Client, FusetuneError
+from ._studies import _url
+
+__all__ = ["optimize"]
+
+_CONFLICT = 409
+_DEFAULT_GROUP = 8
+
+
+@dataclass
+class _Tracked:
+    trial: optuna.Trial
+    reported: set[int] = field(default_factory=set)
+    decided: set[int] = field(default_factory=set)
+
+
+def optimize(
+    study: optuna.Study,
+    workload: str,
+    n_trials: int,
+    *,
+    epochs: int = 10,
+    search_space: Mapping[str, optuna.distributions.BaseDistribution] | None = None,
+    max_array_size: int | None = None,
+    n_concurrent: int | None = None,
+    fusion_sampler: bool = True,
+    timeout: float | None = None,
+    show_progress_bar: bool = False,
+    poll_interval: float = 0.05,
+    url: str | None = None,
+    token: str | None = None,
+) -> None:
+    """Run ``n_trials`` trials of ``study`` on the service, as ``study.optimize`` runs them here.
+
+    Args:
+        study: the user's own Optuna study, on any storage.
+        workload: the service's workload that trains each trial (its model, data and metric).
+        n_trials: how many trials to ask and train.
+        epochs: epochs per trial; the user's pruner decides after each.
+        search_space: fixed distributions to ask with; the workload's define-by-run space
+            (run here, on the user's trials) when omitted.
+        max_array_size: the most trials one array fuses; also FusionSampler's group size.
+        n_concurrent: trials in flight at once (default: two arrays' worth).
+        fusion_sampler: wrap the study's sampler in FusionSampler while this runs.
+        timeout: seconds after which no new trial is asked; those in flight still finish.
+        show_progress_bar: a tqdm bar of trials done and the best value.
+        poll_interval: seconds between reads of the service's records.
+        url, token: the service and the tenant's token (``FUSETUNE_URL``, ``FUSETUNE_TOKEN``).
+
+    Raises:
+        ValueError: naming ``n_trials`` or ``epochs`` if not positive, or the field the
+            service rejected.
+    """
+    if n_trials < 1:
+        raise ValueError(f"n_trials must be positive, not {n_trials}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be positive, not {epochs}")
+    group = max_array_size or _DEFAULT_GROUP
+    n_concurrent = n_concurrent or 2 * group
+    space = _space(workload)
+    multi = len(study.directions) > 1
+    body: dict[str, Any] = {
+        "workload": workload,
+        "n_trials": n_trials,
+        "epochs": epochs,
+        "driver": "client",
+        # One service study per call, named after the user's: its records are the service's.
+        "name": f"{study.study_name}-{uuid.uuid4().hex[:8]}"[:255],
+    }
+    if multi:
+        body["directions"] = [d.name.lower() for d in study.directions]
+    else:
+        body["direction"] = study.direction.name.lower()
+    if search_space is not None:
+        body["search_space"] = {k: optuna.distributions.distribution_to_json(d) for k, d in search_space.items()}
+    if max_array_size is not None:
+        body["max_array_size"] = max_array_size
+
+    original = study.sampler
+    if fusion_sampler:
+        study.sampler = _fusion_sampler(original, workload, group, search_space)
+    bar = _progress_bar(n_trials) if show_progress_bar else None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with Client(_url(url), token=token) as client:
+        try:
+            created = client.submit(body)
+        except FusetuneError as exc:
+            raise ValueError(f"the service refused the study: {exc.detail}") from exc
+        service_id = created["id"]
+        inflight: dict[int, _Tracked] = {}
+        asked = done = 0
+        try:
+            while done < asked or (asked < n_trials and (deadline is None or time.monotonic() < deadline)):
+                while asked < n_trials and len(inflight) < n_concurrent and (deadline is None or time.monotonic() < deadline):
+                    if search_space is not None:
+                        trial = study.ask(dict(search_space))
+                        params = trial.params
+                    else:
+                        trial = study.ask()
+                        params = space(trial)
+                    row = client.enqueue_trial(service_id, dict(params), {"client_trial_number": trial.number})
+                    inflight[row["id"]] = _Tracked(trial)
+                    asked += 1
+                for row in client.trials(service_id):
+                    tracked = inflight.get(row["id"])
+                    if tracked is None:
+                        continue
+                    if _follow(study, client, row, tracked, multi):
+                        del inflight[row["id"]]
+                        done += 1
+                        if bar is not None:
+                            bar.update(1)
+                            _show_best(bar, study, multi)
+                if inflight:
+                    time.sleep(poll_interval)
+        finally:
+            if bar is not None:
+                bar.close()
+            study.sampler = original
+
+
+def _follow(study: optuna.Study, client: Client, row: dict[str, Any], tracked: _Tracked, multi: bool) -> bool:
+    """Bring one service trial's news into the user's trial; True once it has ended."""
+    trial = tracked.trial
+    values_by_step = {int(step): value for step, value in row["intermediate_values"].items()}  # JSON keys
+    steps = sorted(values_by_step)
+    if not multi:  # Optuna's Trial.report is single-objective
+        for step in steps:
+            if step not in tracked.reported:
+                trial.report(values_by_step[step], step)
+                tracked.reported.add(step)
+    state = row["state"]
+    if state == "COMPLETE":
+        study.tell(trial, row["values"] or row["value"])
+        return True
+    if state == "FAIL":
+        study.tell(trial, state=TrialState.FAIL)
+        return True
+    if state == "PRUNED":
+        study.tell(trial, state=TrialState.PRUNED)
+        return True
+    if state == "RUNNING" and steps and steps[-1] not in tracked.decided:
+        step = steps[-1]
+        prune = False if multi else trial.should_prune()
+        try:
+            client.decide_pruning(row["id"], step, prune)
+        except FusetuneError as exc:
+            if exc.status_code != _CONFLICT:
+                raise
+            return False  # it ended meanwhile (its last epoch): the next read says how
+        tracked.decided.add(step)
+        if prune:
+            study.tell(trial, state=TrialState.PRUNED)
+            return True
+    return False
+
+
+def _space(workload: str) -> Callable[[optuna.Trial], Mapping[str, Any]]:
+    # The workload's define-by-run space is Python: it runs here, on the user's trials.
+    from fusetune.workers.workloads import get_workload
+
+    return get_workload(workload).search_space
+
+
+def _fusion_sampler(
+    base: optuna.samplers.BaseSampler,
+    workload: str,
+    group: int,
+    search_space: Mapping[str, optuna.distributions.BaseDistribution] | None,
+) -> optuna.samplers.BaseSampler:
+    from .samplers import FusionSampler
+
+    distributions = dict(search_space) if search_space is not None else None
+    return FusionSampler.for_workload(base, workload, group_size=group, distributions=distributions)
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="fusetune trials")
+
+
+def _show_best(bar: Any, study: optuna.Study, multi: bool) -> None:
+    try:
+        if multi:
+            bar.set_postfix(pareto_front=len(study.best_trials))
+        else:
+            bar.set_postfix(best_value=study.best_value)
+    except ValueError:  # no trial completed yet
+        pass

@@ -1,0 +1,159 @@
+"""Turning a user's Optuna sampler or pruner object into the spec the service rebuilds it from.
+
+The service stores a study's sampler and pruner as ``{"name": class name, "kwargs": ...}`` and
+builds them again in every process that drives the study, so it accepts only what can be
+rebuilt from its class and JSON constructor arguments. Optuna objects keep their constructor
+arguments as private attributes (``TPESampler(n_startup_trials=5)._n_startup_trials``); this
+module reads them back, rebuilds the object from what it read, and refuses any object the
+rebuilt one does not equal (a ``constraints_func`` lambda, a custom crossover, a subclass).
+
+A seed cannot be read back: Optuna seeds its random state and keeps no seed. The spec's seed is
+drawn from a copy of the object's random state instead, so a seeded sampler always gives the
+same seed, and the user's object is left untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from typing import Any
+
+import numpy as np
+import optuna
+
+__all__ = ["component_spec"]
+
+_SEED_RANGE = 2**31
+# State that a sampler derives from the study it has seen, not from its arguments.
+_CACHES: tuple[type, ...] = (optuna.search_space.IntersectionSearchSpace,)
+
+
+def component_spec(obj: optuna.samplers.BaseSampler | optuna.pruners.BasePruner) -> dict[str, Any]:
+    """The ``{"name", "kwargs"}`` spec of an Optuna sampler or pruner object.
+
+    Raises:
+        ValueError: naming the object's class when it is not one of Optuna's own samplers or
+            pruners, or when it cannot be rebuilt from its class and JSON arguments.
+    """
+    cls = type(obj)
+    base = optuna.samplers if isinstance(obj, optuna.samplers.BaseSampler) else optuna.pruners
+    if getattr(base, cls.__name__, None) is not cls:
+        raise ValueError(
+            f"{cls.__name__} is not one of optuna.{base.__name__.split('.')[-1]}'s classes, so the "
+            "service cannot rebuild it; pass an Optuna sampler or pruner built from plain arguments"
+        )
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # past self
+    defaults = {p.name: p.default for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    kwargs: dict[str, Any] = {}
+    for name, default in defaults.items():
+        found, value = _read_argument(obj, name)
+        if not found or _is_default(value, default) or not _is_json(value):
+            continue  # a non-default object argument is caught by the rebuild check below
+        kwargs[name] = value
+    if "seed" in defaults:
+        rng = _random_state(obj)
+        if rng is not None:
+            kwargs["seed"] = int(copy.deepcopy(rng).randint(_SEED_RANGE))
+    difference = _rebuild_difference(obj, kwargs)
+    if difference is not None:
+        raise ValueError(
+            f"{cls.__name__} cannot be rebuilt from its class and JSON arguments: {difference} "
+            "(callables and custom objects cannot be sent to the service)"
+        )
+    # Keep only the arguments the object needs: what the service shows is what the user wrote.
+    for name in [k for k in kwargs if k != "seed"]:
+        fewer = {k: v for k, v in kwargs.items() if k != name}
+        if _rebuild_difference(obj, fewer) is None:
+            kwargs = fewer
+    return {"name": cls.__name__, "kwargs": kwargs}
+
+
+def _rebuild_difference(obj: Any, kwargs: dict[str, Any]) -> str | None:
+    cls = type(obj)
+    try:
+        rebuilt = cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        return f"{cls.__name__}(**{kwargs}) raises {exc}"
+    difference = _difference(obj, rebuilt, cls.__name__)
+    return None if difference is None else f"{difference} differs"
+
+
+def _read_argument(obj: Any, name: str) -> tuple[bool, Any]:
+    attrs = vars(obj)
+    for key in (f"_{name}", name):
+        if key in attrs:
+            return True, attrs[key]
+    # TPESampler keeps some arguments one level down, in its Parzen estimator's parameters.
+    for value in attrs.values():
+        if hasattr(value, "_fields") and name in value._fields:
+            return True, getattr(value, name)
+    return False, None
+
+
+def _random_state(obj: Any) -> np.random.RandomState | None:
+    for value in vars(obj).values():
+        if isinstance(value, optuna.samplers._lazy_random_state.LazyRandomState):
+            return value.rng
+        if isinstance(value, np.random.RandomState):
+            return value
+    return None
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if default is inspect.Parameter.empty:
+        return False
+    try:
+        return bool(value == default) and type(value) is type(default)
+    except Exception:  # e.g. numpy arrays compare elementwise
+        return False
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _difference(a: Any, b: Any, path: str) -> str | None:
+    """The first attribute path where ``a`` and ``b`` differ, or None."""
+    if isinstance(a, (optuna.samplers._lazy_random_state.LazyRandomState, np.random.RandomState)):
+        return None if type(a) is type(b) else path
+    if isinstance(a, _CACHES):
+        return None if type(a) is type(b) else path
+    if type(a) is not type(b):
+        return path
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return path
+        for key in a:
+            found = _difference(a[key], b[key], f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return path
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = _difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if isinstance(a, (str, bytes, int, float, bool, type(None), type)) or callable(a) and not hasattr(a, "__dict__"):
+        return None if a == b else path
+    if inspect.isfunction(a) or inspect.ismethod(a) or inspect.isbuiltin(a):
+        return None if a == b else path
+    if hasattr(a, "__dict__"):
+        for key in vars(a).keys() | vars(b).keys():
+            if key not in vars(a) or key not in vars(b):
+                return f"{path}.{key}"
+            found = _difference(vars(a)[key], vars(b)[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    try:
+        return None if bool(a == b) else path
+    except Exception:
+        return path

@@ -1,0 +1,199 @@
+"""Optuna's storage interface over fusetune's REST API.
+
+``Storage(url, token)`` lets plain Optuna read a fusetune service's studies from a laptop, with
+no database credentials: ``optuna.load_study(study_name=..., storage=Storage(...))``, then
+``study.best_trial``, ``study.trials_dataframe()``, ``optuna.visualization`` or
+``optuna_dashboard.wsgi(storage)``. It sees exactly what the token's tenant sees.
+
+The service owns its studies' trials: it asks them, trains them and records every value, so
+the trial-writing half of the interface raises :class:`ReadOnlyStorageError`. A study's user
+attrs, which are the user's notes about it, can be written.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Container, Sequence
+from datetime import datetime
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, json_to_distribution
+from optuna.study import StudyDirection
+from optuna.study._frozen import FrozenStudy
+from optuna.trial import FrozenTrial, TrialState
+
+from ._client import Client, FusetuneError
+
+__all__ = ["ReadOnlyStorageError", "Storage"]
+
+_NOT_FOUND = 404
+
+
+class ReadOnlyStorageError(optuna.exceptions.OptunaError):
+    """A write that only the fusetune service makes: it asks, trains and records the trials."""
+
+
+class Storage(optuna.storages.BaseStorage):
+    """The studies of one fusetune tenant, as an Optuna storage.
+
+    Args:
+        url: the service, e.g. ``"http://127.0.0.1:8000"``.
+        token: the tenant's bearer token; ``FUSETUNE_TOKEN`` when omitted.
+        timeout: seconds per HTTP request.
+    """
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 30.0) -> None:
+        self._url, self._token, self._timeout = url, token, timeout
+        self._client = Client(url, token=token, timeout=timeout)
+        # Finished trials never change on the service, so they are parsed once.
+        self._finished: dict[int, FrozenTrial] = {}
+
+    # Pickled for optuna's own multiprocessing helpers: the HTTP connection is not.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self._url, "token": self._token, "timeout": self._timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["token"], state["timeout"])  # type: ignore[misc]
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- studies ---------------------------------------------------------------------------
+    def create_new_study(self, directions: Sequence[StudyDirection], study_name: str | None = None) -> int:
+        if study_name is not None:
+            try:
+                self.get_study_id_from_name(study_name)
+            except KeyError:
+                pass
+            else:
+                raise optuna.exceptions.DuplicatedStudyError(f"a study named {study_name!r} already exists")
+        raise ReadOnlyStorageError(
+            "a fusetune study needs a workload and a budget: create it with "
+            "fusetune.client.create_study(workload=..., n_trials=...), or run trials of your own "
+            "study with fusetune.client.optimize"
+        )
+
+    def delete_study(self, study_id: int) -> None:
+        raise ReadOnlyStorageError("delete a fusetune study through the service's API")
+
+    def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
+        self._found(lambda: self._client.set_study_user_attr(study_id, key, value), f"study {study_id}")
+
+    def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None:
+        raise ReadOnlyStorageError("a fusetune study's system attrs are written by the service only")
+
+    def get_study_id_from_name(self, study_name: str) -> int:
+        found = self._client.studies(name=study_name)
+        if not found:
+            raise KeyError(f"no study named {study_name!r}")
+        return int(found[0]["id"])
+
+    def get_study_name_from_id(self, study_id: int) -> str:
+        return self._study(study_id)["name"]
+
+    def get_study_directions(self, study_id: int) -> list[StudyDirection]:
+        return [StudyDirection[d.upper()] for d in self._study(study_id)["directions"]]
+
+    def get_study_user_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._study(study_id)["user_attrs"]
+
+    def get_study_system_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._study(study_id)["system_attrs"]
+
+    def get_all_studies(self) -> list[FrozenStudy]:
+        return [
+            FrozenStudy(
+                study_name=s["name"],
+                direction=None,
+                directions=[StudyDirection[d.upper()] for d in s["directions"]],
+                user_attrs=s["user_attrs"],
+                system_attrs=s["system_attrs"],
+                study_id=s["id"],
+            )
+            for s in self._client.studies()
+        ]
+
+    # -- trials ----------------------------------------------------------------------------
+    def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
+        raise ReadOnlyStorageError(
+            "the service asks a fusetune study's trials; to train trials you ask yourself, "
+            "use fusetune.client.optimize(study, workload, n_trials) on your own study"
+        )
+
+    def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float, distribution: BaseDistribution) -> None:
+        raise ReadOnlyStorageError("the service sets a fusetune trial's params")
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
+        raise ReadOnlyStorageError("the service ends a fusetune trial")
+
+    def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
+        raise ReadOnlyStorageError("the service reports a fusetune trial's intermediate values")
+
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        raise ReadOnlyStorageError("the service writes a fusetune trial's attrs")
+
+    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+        raise ReadOnlyStorageError("the service writes a fusetune trial's attrs")
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        if trial_id in self._finished:
+            return copy.deepcopy(self._finished[trial_id])
+        return self._frozen(self._found(lambda: self._client.trial(trial_id), f"trial {trial_id}"))
+
+    def get_all_trials(
+        self, study_id: int, deepcopy: bool = True, states: Container[TrialState] | None = None
+    ) -> list[FrozenTrial]:
+        rows = self._found(lambda: self._client.trials(study_id), f"study {study_id}")
+        trials = [self._finished.get(row["id"]) or self._frozen(row) for row in rows]
+        if states is not None:
+            trials = [t for t in trials if t.state in states]
+        return copy.deepcopy(trials) if deepcopy else trials
+
+    # -- wire -> Optuna --------------------------------------------------------------------
+    def _study(self, study_id: int) -> dict[str, Any]:
+        return self._found(lambda: self._client.study(study_id), f"study {study_id}")
+
+    @staticmethod
+    def _found(call: Any, what: str) -> Any:
+        try:
+            return call()
+        except FusetuneError as exc:
+            if exc.status_code == _NOT_FOUND:
+                raise KeyError(f"{what} does not exist") from exc  # what Optuna's storages raise
+            raise
+
+    def _frozen(self, row: dict[str, Any]) -> FrozenTrial:
+        state = TrialState[row["state"]]
+        distributions = {name: json_to_distribution(_json(d)) for name, d in row["distributions"].items()}
+        values = row.get("values")
+        if values is None and row.get("value") is not None:
+            values = [row["value"]]
+        trial = FrozenTrial(
+            number=row["number"],
+            state=state,
+            value=None,
+            values=values,
+            datetime_start=_datetime(row.get("started_at")),
+            datetime_complete=_datetime(row.get("completed_at")) if state.is_finished() else None,
+            # Params the service recorded before their distribution was known are left out,
+            # as Optuna stores only suggested params.
+            params={k: v for k, v in row["params"].items() if k in distributions},
+            distributions=distributions,
+            user_attrs=row["user_attrs"],
+            system_attrs=row["system_attrs"],
+            intermediate_values={int(step): v for step, v in row["intermediate_values"].items()},
+            trial_id=row["id"],
+        )
+        if state.is_finished():
+            self._finished[row["id"]] = trial
+        return trial
+
+
+def _json(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _datetime(value: str | None) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(value)

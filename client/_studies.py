@@ -1,0 +1,99 @@
+"""Creating and loading a service's studies as Optuna studies, from a user's own Optuna code."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import optuna
+
+from ._client import Client, FusetuneError
+from ._specs import component_spec
+from ._storage import Storage
+
+__all__ = ["DEFAULT_URL", "create_study", "load_study"]
+
+#: The service a client talks to when no ``url`` is given and ``FUSETUNE_URL`` is unset.
+DEFAULT_URL = "http://127.0.0.1:8000"
+_CONFLICT = 409
+
+
+def _url(url: str | None) -> str:
+    return url or os.environ.get("FUSETUNE_URL", DEFAULT_URL)
+
+
+def create_study(
+    *,
+    workload: str,
+    n_trials: int,
+    epochs: int = 10,
+    study_name: str | None = None,
+    direction: str | optuna.study.StudyDirection | None = None,
+    directions: Sequence[str | optuna.study.StudyDirection] | None = None,
+    sampler: optuna.samplers.BaseSampler | None = None,
+    pruner: optuna.pruners.BasePruner | None = None,
+    load_if_exists: bool = False,
+    search_space: Mapping[str, optuna.distributions.BaseDistribution] | None = None,
+    max_array_size: int | None = None,
+    url: str | None = None,
+    token: str | None = None,
+) -> optuna.Study:
+    """Start a study on the service, as ``optuna.create_study`` starts one on a storage.
+
+    The service asks, fuses and trains its ``n_trials`` trials of ``workload`` in the
+    background; the returned study reads them as they happen, through :class:`Storage`.
+    ``sampler`` and ``pruner`` are any of Optuna's own samplers and pruners built from plain
+    arguments: the service rebuilds them from their class and arguments.
+
+    Raises:
+        ValueError: naming the sampler's or pruner's class if it cannot be rebuilt, or the
+            field the service rejected.
+        optuna.exceptions.DuplicatedStudyError: the name is taken and ``load_if_exists`` is
+            False.
+    """
+    body: dict[str, Any] = {"workload": workload, "n_trials": n_trials, "epochs": epochs}
+    if study_name is not None:
+        body["name"] = study_name
+    if direction is not None and directions is not None:
+        raise ValueError("give direction or directions, not both")
+    if directions is not None and len(directions) == 1:
+        direction, directions = directions[0], None
+    if direction is not None:
+        body["direction"] = _direction(direction)
+    if directions is not None:
+        body["directions"] = [_direction(d) for d in directions]
+    if sampler is not None:
+        body["sampler"] = component_spec(sampler)
+    if pruner is not None:
+        body["pruner"] = component_spec(pruner)
+    if search_space is not None:
+        body["search_space"] = {
+            name: optuna.distributions.distribution_to_json(d) for name, d in search_space.items()
+        }
+    if max_array_size is not None:
+        body["max_array_size"] = max_array_size
+    url = _url(url)
+    with Client(url, token=token) as client:
+        try:
+            created = client.submit(body)
+        except FusetuneError as exc:
+            if exc.status_code == _CONFLICT and study_name is not None:
+                if load_if_exists:
+                    return load_study(study_name=study_name, url=url, token=token)
+                raise optuna.exceptions.DuplicatedStudyError(f"a study named {study_name!r} already exists") from exc
+            raise ValueError(f"the service refused the study: {exc.detail}") from exc
+    return load_study(study_name=created["name"], url=url, token=token)
+
+
+def load_study(*, study_name: str, url: str | None = None, token: str | None = None) -> optuna.Study:
+    """A service's study, read through :class:`Storage` (``optuna.load_study``'s twin)."""
+    return optuna.load_study(study_name=study_name, storage=Storage(_url(url), token=token))
+
+
+def _direction(direction: str | optuna.study.StudyDirection) -> str:
+    if isinstance(direction, optuna.study.StudyDirection):
+        return direction.name.lower()
+    if direction not in ("minimize", "maximize"):
+        raise ValueError(f"direction must be 'minimize' or 'maximize', not {direction!r}")
+    return direction

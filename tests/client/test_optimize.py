@@ -1,0 +1,88 @@
+"""fusetune.client.optimize: a user's own Optuna study, in its own SQLite file, trained on the service.
+
+Afterwards the user's study holds what the service recorded: the same trials, params,
+intermediate values, values and states, with pruning decided by the user's own pruner object
+(one the service could never rebuild), in the user's process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+
+from fusetune import client as ft
+from fusetune.client import Client
+from tests.conftest import running_service
+
+pytestmark = pytest.mark.slow
+
+
+class EvenTrialsStopAfterSecondEpoch(optuna.pruners.BasePruner):
+    """The user's own pruner: prunes even-numbered trials once they reported step 1."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int]] = []
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        self.asked.append((trial.number, trial.last_step))
+        return trial.number % 2 == 0 and trial.last_step == 1
+
+
+@pytest.fixture
+def service(ray_cluster: str, database_url: str) -> Iterator[Client]:
+    with running_service(ray_cluster, database_url, max_array_size=4) as client:
+        yield client
+
+
+def test_a_users_own_study_gets_the_services_records_and_its_own_pruning(
+    service: Client, database_url: str, tmp_path: Path
+) -> None:
+    pruner = EvenTrialsStopAfterSecondEpoch()
+    user_storage = f"sqlite:///{tmp_path / 'mine.db'}"
+    study = optuna.create_study(
+        study_name="mine", storage=user_storage, direction="maximize",
+        sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=4), pruner=pruner,
+    )
+    ft.optimize(study, "digits-mlp", n_trials=6, epochs=3, max_array_size=4, url=service.url, token=service.token)
+
+    (record,) = [s for s in service.studies() if s["name"].startswith("mine-")]
+    assert record["state"] == "COMPLETE" and record["driver"] == "client"
+    theirs = sorted(optuna.load_study(study_name=record["name"], storage=database_url).trials, key=lambda t: t.number)
+    mine = sorted(optuna.load_study(study_name="mine", storage=user_storage).trials, key=lambda t: t.number)
+    assert len(mine) == len(theirs) == 6
+
+    def facts(t: optuna.trial.FrozenTrial) -> tuple:
+        return (t.params, t.distributions, t.state, t.values, t.intermediate_values)
+
+    by_number = {t.user_attrs["client_trial_number"]: t for t in theirs}
+    for trial in mine:
+        assert facts(trial) == facts(by_number[trial.number])
+    # The user's pruner decided: even trials stopped after two epochs, odd ones ran all three.
+    for trial in mine:
+        if trial.number % 2 == 0:
+            assert trial.state == optuna.trial.TrialState.PRUNED and sorted(trial.intermediate_values) == [0, 1]
+        else:
+            assert trial.state == optuna.trial.TrialState.COMPLETE and sorted(trial.intermediate_values) == [0, 1, 2]
+    assert {number for number, _ in pruner.asked} == set(range(6))
+
+
+def test_a_decision_for_a_trial_not_between_epochs_is_refused_naming_step(service: Client) -> None:
+    created = service.create_study("digits-mlp", n_trials=1, epochs=1, driver="client")
+    trial = service.enqueue_trial(created["id"], {"lr": 0.05, "momentum": 0.5, "weight_decay": 1e-4, "hidden": 32})
+    assert trial["params"]["hidden"] == 32
+    with pytest.raises(ft.FusetuneError) as refused:
+        service.decide_pruning(trial["id"], 5, True)
+    assert refused.value.status_code == 409 and refused.value.detail[0]["loc"][-1] == "step"
+    # Its budget is n_trials: a second enqueue is refused, naming it.
+    with pytest.raises(ft.FusetuneError) as full:
+        service.enqueue_trial(created["id"], {"lr": 0.05, "momentum": 0.5, "weight_decay": 1e-4, "hidden": 32})
+    assert full.value.status_code == 409 and full.value.detail[0]["loc"][-1] == "n_trials"
+
+
+def test_a_client_driven_study_names_no_sampler(service: Client) -> None:
+    with pytest.raises(ft.FusetuneError) as refused:
+        service.create_study("digits-mlp", n_trials=1, driver="client", sampler={"name": "RandomSampler"})
+    assert refused.value.status_code == 422 and "sampler" in str(refused.value.detail)

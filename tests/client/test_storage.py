@@ -1,0 +1,103 @@
+"""fusetune.client.Storage and create_study: a service's study read with plain Optuna, over HTTP.
+
+The study that ``optuna.load_study`` reads through the REST storage is the one Optuna reads
+from the service's own database: same trials, params, distributions, states, values and
+intermediate values.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import optuna
+import pytest
+
+from fusetune import client as ft
+from fusetune.client import Client
+from tests.conftest import running_service
+
+pytestmark = pytest.mark.slow
+
+SPACE = {
+    "lr": optuna.distributions.FloatDistribution(0.01, 0.3, log=True),
+    "momentum": optuna.distributions.FloatDistribution(0.0, 0.9),
+    "hidden": optuna.distributions.CategoricalDistribution([16, 32]),
+}
+
+
+@pytest.fixture
+def service(ray_cluster: str, database_url: str) -> Iterator[Client]:
+    with running_service(ray_cluster, database_url, max_array_size=4) as client:
+        yield client
+
+
+def _comparable(trials: list[optuna.trial.FrozenTrial]) -> list[tuple]:
+    return [
+        (t.number, t.state, t.params, t.distributions, t.values, t.intermediate_values)
+        for t in sorted(trials, key=lambda t: t.number)
+    ]
+
+
+def test_a_study_created_from_optuna_objects_reads_back_as_the_database_holds_it(
+    service: Client, database_url: str
+) -> None:
+    study = ft.create_study(
+        workload="digits-mlp",
+        n_trials=6,
+        epochs=2,
+        study_name="remote",
+        direction="maximize",
+        sampler=optuna.samplers.RandomSampler(seed=3),
+        pruner=optuna.pruners.MedianPruner(n_warmup_steps=1),
+        search_space=SPACE,
+        url=service.url,
+        token=service.token,
+    )
+    assert isinstance(study._storage, ft.Storage)
+    record = service.studies(name="remote")[0]
+    assert record["sampler"]["name"] == "RandomSampler" and "seed" in record["sampler"]["kwargs"]
+    assert record["pruner"] == {"name": "MedianPruner", "kwargs": {"n_warmup_steps": 1}}
+    service.wait(record["id"], timeout=300, poll=0.2)
+
+    remote = optuna.load_study(study_name="remote", storage=ft.Storage(service.url, token=service.token))
+    local = optuna.load_study(study_name="remote", storage=database_url)
+    assert len(remote.trials) == 6
+    assert _comparable(remote.trials) == _comparable(local.trials)
+    assert remote.direction == optuna.study.StudyDirection.MAXIMIZE
+    assert remote.best_trial.number == local.best_trial.number
+    assert len(remote.trials_dataframe()) == 6
+    assert [t.number for t in remote.get_trials(states=(optuna.trial.TrialState.COMPLETE,))] == [
+        t.number for t in local.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    ]
+
+    # A study's user attrs are the user's notes; the service's trials are its own.
+    remote.set_user_attr("note", {"by": "laptop"})
+    assert optuna.load_study(study_name="remote", storage=database_url).user_attrs == {"note": {"by": "laptop"}}
+    with pytest.raises(ft.ReadOnlyStorageError, match="optimize"):
+        remote.ask()
+
+    # load_if_exists, as in optuna.create_study.
+    again = ft.create_study(
+        workload="digits-mlp", n_trials=6, study_name="remote", load_if_exists=True, url=service.url, token=service.token
+    )
+    assert again._study_id == remote._study_id
+    with pytest.raises(optuna.exceptions.DuplicatedStudyError):
+        ft.create_study(workload="digits-mlp", n_trials=6, study_name="remote", url=service.url, token=service.token)
+
+
+def test_an_unknown_study_is_a_key_error_as_in_optuna(service: Client) -> None:
+    storage = ft.Storage(service.url, token=service.token)
+    with pytest.raises(KeyError):
+        optuna.load_study(study_name="nowhere", storage=storage)
+    with pytest.raises(KeyError):
+        storage.get_trial(10**6)
+
+
+def test_a_sampler_that_cannot_be_rebuilt_is_refused_by_name(service: Client) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(constraints_func=lambda trial: [0.0])
+    with pytest.raises(ValueError, match="TPESampler"):
+        ft.create_study(workload="digits-mlp", n_trials=2, sampler=sampler, url=service.url, token=service.token)
+    assert service.studies() == []
