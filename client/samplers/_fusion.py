@@ -1,0 +1,386 @@
+"""FusionSampler: any Optuna sampler, made to suggest trials that fuse into one array.
+
+fusetune trains the trials whose models have one shape signature as one fused array. A
+sampler that draws the hidden width, the batch size or the layer count afresh for every
+trial spreads a batch of trials over many signatures, and the batch trains as many small
+arrays. FusionSampler keeps those *non-fusible* parameters equal within a *group* of up to
+``group_size`` trials asked while earlier members of the group still run, and lets the
+wrapped sampler draw every other (*fusible*) parameter per trial.
+
+Group membership lives in each trial's system attrs (:data:`ATTR`), never in this object,
+so the groups are the same whichever thread, process or pickled copy of the sampler asks:
+``study.optimize(n_jobs=...)``, ask-and-tell and several processes on one storage all see
+them. A lock makes each decision atomic between the threads of one process; between
+processes every write is followed by a read that undoes a clash (see :meth:`_settle`), so a
+race at worst splits a group in two and never mixes values or overfills one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from optuna.distributions import BaseDistribution
+from optuna.samplers import BaseSampler
+from optuna.study import Study
+from optuna.trial import FrozenTrial, TrialState
+
+if TYPE_CHECKING:
+    from fusetune.workers.workloads import Workload
+
+__all__ = ["ATTR", "FusionSampler", "fusion_group"]
+
+#: The trial system attr that records a trial's group: ``{"number": the trial's own number,
+#: "group": group id, "values": {non-fusible param: value}, "refounds": int}``. The number
+#: tells a trial's own record from one copied onto another trial (RetryFailedTrialCallback
+#: copies every system attr of the failed trial to its retry).
+ATTR = "fusion_sampler"
+
+#: Trials that are still running for the purpose of keeping their group open.
+_LIVE = (TrialState.RUNNING, TrialState.WAITING)
+
+
+def fusion_group(trial: FrozenTrial) -> str | None:
+    """The id of the group a trial belongs to, or None if no FusionSampler placed it.
+
+    Trials with one id share every non-fusible parameter value they have.
+    """
+    record = trial.system_attrs.get(ATTR)
+    if not isinstance(record, dict) or record.get("number") != trial.number:
+        return None
+    group = record.get("group")
+    return group if isinstance(group, str) else None
+
+
+def _contains(distribution: BaseDistribution, value: Any) -> bool:
+    """Whether ``value`` is one of ``distribution``'s values (a dynamic space may have lost it)."""
+    try:
+        internal = distribution.to_internal_repr(value)
+    except (ValueError, TypeError):
+        return False
+    return bool(distribution._contains(internal))
+
+
+def _plain(distribution: BaseDistribution, value: Any) -> Any:
+    """``value`` as the distribution's own Python value (a numpy scalar or 64.0 for an int is
+    not JSON the way a system attr must be)."""
+    return distribution.to_external_repr(distribution.to_internal_repr(value))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal parameter values; True and 1 are different categorical choices."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return bool(a == b)
+
+
+@dataclass
+class _Member:
+    """One trial as its group sees it."""
+
+    trial_id: int
+    number: int
+    live: bool
+    group: str
+    refounds: int
+    values: dict[str, Any] = field(default_factory=dict)  # non-fusible name -> value
+
+
+class _View:
+    """Every group of a study as the storage holds it at one moment."""
+
+    def __init__(self, trials: Sequence[FrozenTrial], non_fusible: frozenset[str]) -> None:
+        self.members: dict[int, _Member] = {}  # trial id -> member
+        self.groups: dict[str, list[_Member]] = {}  # group id -> members, by trial number
+        for trial in trials:
+            record = trial.system_attrs.get(ATTR)
+            group = fusion_group(trial)
+            if group is None:
+                continue
+            assert isinstance(record, dict)  # fusion_group read it
+            member = _Member(
+                trial_id=trial._trial_id,
+                number=trial.number,
+                live=trial.state in _LIVE,
+                group=group,
+                refounds=int(record.get("refounds", 0)),
+                values=_intended(trial, non_fusible, record),
+            )
+            self.members[member.trial_id] = member
+            self.groups.setdefault(member.group, []).append(member)
+        for members in self.groups.values():
+            members.sort(key=lambda m: m.number)
+
+    def values_of(self, group: str, besides: int) -> dict[str, Any]:
+        """The group's non-fusible values, from its members other than trial ``besides``.
+
+        Members agree (a clash makes one of them leave, see ``FusionSampler._settle``); if a
+        clash is in flight, the earliest member's value is the group's.
+        """
+        out: dict[str, Any] = {}
+        for member in self.groups.get(group, []):
+            if member.trial_id != besides:
+                for name, value in member.values.items():
+                    out.setdefault(name, value)
+        return out
+
+    def clashes(self, member: _Member, names: Iterable[str]) -> bool:
+        """Whether another member of ``member``'s group has a different value for one of ``names``."""
+        for other in self.groups.get(member.group, []):
+            if other.trial_id == member.trial_id:
+                continue
+            for name in names:
+                if name in other.values and name in member.values and not _same(other.values[name], member.values[name]):
+                    return True
+        return False
+
+
+def _intended(trial: FrozenTrial, non_fusible: frozenset[str], record: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A trial's non-fusible values: those it recorded, its enqueued ones, and its params.
+
+    Params win (they are what the trial uses), then enqueued values (Optuna uses them
+    before asking a sampler), then what the sampler recorded while deciding.
+    """
+    values: dict[str, Any] = {}
+    if record is not None:
+        values.update({k: v for k, v in dict(record.get("values") or {}).items() if k in non_fusible})
+    fixed = trial.system_attrs.get("fixed_params") or {}
+    values.update({k: v for k, v in fixed.items() if k in non_fusible})
+    values.update({k: v for k, v in trial.params.items() if k in non_fusible})
+    return values
+
+
+class FusionSampler(BaseSampler):
+    """Wraps ``base_sampler`` so that the trials it suggests fuse into few arrays.
+
+    Parameters named in ``non_fusible`` (those that change a trial's shape signature: widths,
+    layer counts, batch size, optimizer) are sampled by ``base_sampler`` once per group and
+    shared by the group's members; every other parameter is fusible and sampled by
+    ``base_sampler`` for each trial. A trial joins the oldest group that has fewer than
+    ``group_size`` members, one of them still running (or waiting), and no value that clashes
+    with the trial's enqueued params; otherwise it opens a new group. A non-fusible value the
+    group has already chosen wins over what the base sampler suggests; one first sampled by a
+    later member (a conditional parameter) becomes the group's. If the group's value is not
+    in the parameter's distribution in this trial (a dynamic space), the trial leaves for a
+    new group and the base sampler chooses.
+
+    Args:
+        base_sampler: the sampler that chooses every value (TPE, GP, CMA-ES, NSGA-II, ...).
+        non_fusible: names of the parameters that must be equal for trials to share an
+            array. :meth:`for_workload` derives them from a fusetune workload.
+        group_size: most trials per group; fusetune uses the study's largest array size.
+
+    Raises:
+        TypeError: ``base_sampler`` is not an Optuna sampler, or ``non_fusible`` is a single
+            string or holds a non-string.
+        ValueError: ``group_size`` is below 1.
+    """
+
+    def __init__(self, base_sampler: BaseSampler, *, non_fusible: Iterable[str], group_size: int = 8) -> None:
+        if not isinstance(base_sampler, BaseSampler):
+            raise TypeError(f"base_sampler must be an optuna.samplers.BaseSampler, got {type(base_sampler).__name__}")
+        if isinstance(non_fusible, (str, bytes)):
+            raise TypeError(f"non_fusible must be a collection of parameter names, not the single string {non_fusible!r}")
+        names = frozenset(non_fusible)
+        bad = sorted(repr(n) for n in names if not isinstance(n, str))
+        if bad:
+            raise TypeError(f"non_fusible must hold parameter names (str), got {', '.join(bad)}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self._base = base_sampler
+        self._non_fusible = names
+        self._group_size = group_size
+        self._lock = threading.RLock()
+
+    @classmethod
+    def for_workload(
+        cls,
+        base_sampler: BaseSampler,
+        workload: str | Workload,
+        *,
+        group_size: int = 8,
+        distributions: Mapping[str, BaseDistribution] | None = None,
+        signature: Callable[[Mapping[str, Any]], str] | None = None,
+    ) -> FusionSampler:
+        """A FusionSampler whose non-fusible parameters are derived from a fusetune workload.
+
+        They are the parameters that change the trial's shape signature as the service
+        computes it (see :func:`fusetune.client.samplers.non_fusible_params`, which imports
+        torch and fusetune's server code; the sampler itself needs only Optuna).
+        """
+        from fusetune.client.samplers._workload import non_fusible_params
+
+        names = non_fusible_params(workload, distributions=distributions, signature=signature)
+        return cls(base_sampler, non_fusible=names, group_size=group_size)
+
+    # -- what it was built with ------------------------------------------------------------
+    @property
+    def base_sampler(self) -> BaseSampler:
+        """The wrapped sampler."""
+        return self._base
+
+    @property
+    def non_fusible(self) -> frozenset[str]:
+        """Names of the parameters shared by a group."""
+        return self._non_fusible
+
+    @property
+    def group_size(self) -> int:
+        """Most trials per group."""
+        return self._group_size
+
+    def __repr__(self) -> str:
+        return (
+            f"FusionSampler({type(self._base).__name__}, non_fusible={sorted(self._non_fusible)}, "
+            f"group_size={self._group_size})"
+        )
+
+    # -- pickling: the lock stays behind, each copy makes its own ----------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    # -- BaseSampler --------------------------------------------------------------------------
+    def reseed_rng(self) -> None:
+        self._base.reseed_rng()
+
+    def before_trial(self, study: Study, trial: FrozenTrial) -> None:
+        """The base sampler's ``before_trial``, then the trial joins a group or opens one."""
+        self._base.before_trial(study, trial)
+        with self._lock:
+            self._place(study, trial._trial_id)
+
+    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        # The base sampler keeps its whole space, non-fusible parameters included (CMA-ES and
+        # friends restart on a space that changes between trials); sample_relative puts the
+        # group's values over what it suggests for them.
+        return self._base.infer_relative_search_space(study, trial)
+
+    def sample_relative(
+        self, study: Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        with self._lock:
+            proposed = self._base.sample_relative(study, trial, search_space)
+            names = [n for n in proposed if n in self._non_fusible and n in search_space]
+            if not names:
+                return proposed
+            out = dict(proposed)
+            member, view = self._member(study, trial._trial_id)
+            group = view.values_of(member.group, besides=member.trial_id)
+            # The trial's own values (enqueued ones) come first, then the group's; one that
+            # this trial's distribution lacks sends the trial to a new group of its own.
+            chosen = {}
+            for name in names:
+                if name in member.values:
+                    chosen[name] = member.values[name]
+                elif name in group:
+                    chosen[name] = group[name]
+            if any(not _contains(search_space[n], v) for n, v in chosen.items()):
+                self._refound(study, member)
+                chosen = {n: v for n, v in chosen.items() if n in member.values and _contains(search_space[n], v)}
+            for name in names:
+                out[name] = _plain(search_space[name], chosen.get(name, proposed[name]))
+                member.values[name] = out[name]
+            self._write(study, member)
+            self._settle(study, member, names)
+            return out
+
+    def sample_independent(
+        self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
+        if param_name not in self._non_fusible:
+            return self._base.sample_independent(study, trial, param_name, param_distribution)
+        with self._lock:
+            member, view = self._member(study, trial._trial_id)
+            if param_name in member.values:  # enqueued, or recorded by sample_relative
+                known, value = True, member.values[param_name]
+            else:
+                group = view.values_of(member.group, besides=member.trial_id)
+                known, value = param_name in group, group.get(param_name)
+            if known and not _contains(param_distribution, value):
+                # A dynamic space: the group's value is not on offer here. Leave rather than raise.
+                self._refound(study, member)
+                known = False
+            if not known:
+                # Only the group's first trial with this parameter asks the base sampler.
+                value = self._base.sample_independent(study, trial, param_name, param_distribution)
+            member.values[param_name] = _plain(param_distribution, value)
+            self._write(study, member)
+            self._settle(study, member, [param_name])
+            return member.values[param_name]
+
+    def after_trial(
+        self, study: Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
+    ) -> None:
+        self._base.after_trial(study, trial, state, values)
+
+    # -- groups ---------------------------------------------------------------------------------
+    def _view(self, study: Study) -> _View:
+        # The storage, not ``study.get_trials``: a pruner's filtered study (Hyperband's
+        # brackets) would hide members of the trial's group.
+        return _View(study._storage.get_all_trials(study._study_id, deepcopy=False), self._non_fusible)
+
+    def _member(self, study: Study, trial_id: int) -> tuple[_Member, _View]:
+        """The trial's record and the view it was read in; a trial no FusionSampler placed
+        yet (asked through another sampler before this one) is placed now."""
+        view = self._view(study)
+        if trial_id not in view.members:
+            self._place(study, trial_id)
+            view = self._view(study)
+        return view.members[trial_id], view
+
+    def _place(self, study: Study, trial_id: int) -> None:
+        """Join the oldest open group the trial's enqueued values agree with, or open one."""
+        trial = study._storage.get_trial(trial_id)
+        view = self._view(study)
+        own = _intended(trial, self._non_fusible, None)
+        candidates = []
+        for group, members in view.groups.items():
+            members = [m for m in members if m.trial_id != trial_id]
+            if not members or len(members) >= self._group_size or not any(m.live for m in members):
+                continue
+            values = view.values_of(group, besides=trial_id)
+            if all(_same(values[n], v) for n, v in own.items() if n in values):
+                candidates.append((members[0].number, group))
+        member = _Member(trial_id, trial.number, True, str(trial.number), 0, own)
+        if candidates:
+            member.group = min(candidates)[1]
+            self._write(study, member)
+            self._settle(study, member, own, joined=True)
+        else:
+            self._write(study, member)
+
+    def _write(self, study: Study, member: _Member) -> None:
+        record = {"number": member.number, "group": member.group, "values": member.values, "refounds": member.refounds}
+        study._storage.set_trial_system_attr(member.trial_id, ATTR, record)
+
+    def _refound(self, study: Study, member: _Member) -> None:
+        """The trial leaves its group for a new one of its own, keeping its values."""
+        member.refounds += 1
+        member.group = f"{member.number}.{member.refounds}"
+        self._write(study, member)
+
+    def _settle(self, study: Study, member: _Member, names: Iterable[str], joined: bool = False) -> None:
+        """Read back after a write: leave the group if another process's write clashes with it.
+
+        Every trial writes its values (or its joining) before it reads, so of two clashing
+        writes the later one's read sees the earlier one: that trial leaves. Threads of one
+        process never clash (the lock orders them); several processes on one storage may,
+        and then a group splits in two instead of mixing values or growing past its size.
+        """
+        view = self._view(study)
+        current = view.members.get(member.trial_id)
+        if current is None or current.group != member.group:
+            return
+        overfull = joined and len(view.groups[member.group]) > self._group_size
+        if overfull or view.clashes(current, list(names)):
+            self._refound(study, member)
