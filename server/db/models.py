@@ -61,7 +61,31 @@ class Tenant(Base):
 
     name: Mapped[str] = mapped_column(String(255), primary_key=True)
     weight: Mapped[float] = mapped_column(Float, default=1.0)
+    #: Most of its studies RUNNING at once; None: no limit.
+    max_running_studies: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Most trials one of its studies may ask for (``n_trials``); None: no limit.
+    max_trials_per_study: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Token(Base):
+    """A tenant's bearer token, stored as the SHA-256 of the token (the token is shown once).
+
+    Tokens are ``secrets.token_urlsafe(32)`` strings (256 random bits), so an unsalted hash is
+    as good as a password hash here and lets a request find its token by an indexed lookup.
+    A revoked token keeps its row (``revoked_at``) so that its id still names it.
+    """
+
+    __tablename__ = "ft_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant: Mapped[str] = mapped_column(
+        ForeignKey("ft_tenants.name", name="fk_ft_tokens_tenant", ondelete="CASCADE"), index=True
+    )
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    label: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
 
 class Study(Base):

@@ -72,4 +72,18 @@ def test_tenants_migration_gives_existing_tenants_one_share(database_url: str) -
         )
     upgrade(database_url)
     with get_engine(database_url).connect() as conn:
-        assert conn.execute(sa.text("SELECT name, weight FROM ft_tenants")).all() == [("acme", 1.0)]
+        # acme from its study (0002); `default` from 0004, for studies that name no tenant.
+        assert sorted(conn.execute(sa.text("SELECT name, weight FROM ft_tenants")).all()) == [("acme", 1.0), ("default", 1.0)]
+
+
+def test_auth_migration_keeps_an_existing_default_tenant_and_adds_no_quotas(database_url: str) -> None:
+    config = alembic_config(database_url)
+    with get_engine(database_url).begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0003")
+        conn.execute(sa.text("INSERT INTO ft_tenants (name, weight, created_at) VALUES ('default', 2.5, CURRENT_TIMESTAMP)"))
+    upgrade(database_url)
+    with get_engine(database_url).connect() as conn:
+        rows = conn.execute(sa.text("SELECT name, weight, max_running_studies, max_trials_per_study FROM ft_tenants")).all()
+        assert rows == [("default", 2.5, None, None)]
+        assert conn.execute(sa.text("SELECT COUNT(*) FROM ft_tokens")).scalar_one() == 0
