@@ -63,8 +63,10 @@ def _between(low: float, high: float, log: bool) -> list[float]:
     n = _INTERIOR_PROBES + 1
     if log and low > 0:
         a, b = math.log(low), math.log(high)
-        return [math.exp(a + (b - a) * i / n) for i in range(n + 1)]
-    return [low + (high - low) * i / n for i in range(n + 1)]
+        inside = [math.exp(a + (b - a) * i / n) for i in range(1, n)]
+    else:
+        inside = [low + (high - low) * i / n for i in range(1, n)]
+    return [low, *inside, high]  # the ends exactly: exp(log(x)) is not always x
 
 
 class _Prober:
