@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,6 @@ import optuna
 from optuna.trial import TrialState
 
 from ._client import Client, FusetuneError
-from ._studies import _url
 
 __all__ = ["optimize"]
 
@@ -43,6 +42,7 @@ def optimize(
     *,
     epochs: int = 10,
     search_space: Mapping[str, optuna.distributions.BaseDistribution] | None = None,
+    metrics: Sequence[str] | None = None,
     max_array_size: int | None = None,
     n_concurrent: int | None = None,
     fusion_sampler: bool = True,
@@ -61,6 +61,8 @@ def optimize(
         epochs: epochs per trial; the user's pruner decides after each.
         search_space: fixed distributions to ask with; the workload's define-by-run space
             (run here, on the user's trials) when omitted.
+        metrics: the workload's metrics that are the study's objectives, one per direction
+            (needed for a multi-objective study; the workload's first metric by default).
         max_array_size: the most trials one array fuses; also FusionSampler's group size.
         n_concurrent: trials in flight at once (default: two arrays' worth).
         fusion_sampler: wrap the study's sampler in FusionSampler while this runs.
@@ -89,6 +91,8 @@ def optimize(
         # One service study per call, named after the user's: its records are the service's.
         "name": f"{study.study_name}-{uuid.uuid4().hex[:8]}"[:255],
     }
+    if metrics is not None:
+        body["metrics"] = list(metrics)
     if multi:
         body["directions"] = [d.name.lower() for d in study.directions]
     else:
@@ -103,7 +107,7 @@ def optimize(
         study.sampler = _fusion_sampler(original, workload, group, search_space)
     bar = _progress_bar(n_trials) if show_progress_bar else None
     deadline = None if timeout is None else time.monotonic() + timeout
-    with Client(_url(url), token=token) as client:
+    with Client(url, token=token) as client:
         try:
             created = client.submit(body)
         except FusetuneError as exc:
@@ -120,7 +124,7 @@ def optimize(
                     else:
                         trial = study.ask()
                         params = space(trial)
-                    row = client.enqueue_trial(service_id, dict(params), {"client_trial_number": trial.number})
+                    row = client.enqueue_trial(service_id, _plain(params), {"client_trial_number": trial.number})
                     inflight[row["id"]] = _Tracked(trial)
                     asked += 1
                 for row in client.trials(service_id):
@@ -163,7 +167,7 @@ def _follow(study: optuna.Study, client: Client, row: dict[str, Any], tracked: _
         return True
     if state == "RUNNING" and steps and steps[-1] not in tracked.decided:
         step = steps[-1]
-        prune = False if multi else trial.should_prune()
+        prune = False if multi else bool(trial.should_prune())  # pruners may answer numpy.bool_
         try:
             client.decide_pruning(row["id"], step, prune)
         except FusetuneError as exc:
@@ -175,6 +179,11 @@ def _follow(study: optuna.Study, client: Client, row: dict[str, Any], tracked: _
             study.tell(trial, state=TrialState.PRUNED)
             return True
     return False
+
+
+def _plain(params: Mapping[str, Any]) -> dict[str, Any]:
+    # Samplers may suggest numpy scalars (a categorical's numpy.bool_); the wire takes JSON.
+    return {name: value.item() if hasattr(value, "item") else value for name, value in params.items()}
 
 
 def _space(workload: str) -> Callable[[optuna.Trial], Mapping[str, Any]]:

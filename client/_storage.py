@@ -39,12 +39,12 @@ class Storage(optuna.storages.BaseStorage):
     """The studies of one fusetune tenant, as an Optuna storage.
 
     Args:
-        url: the service, e.g. ``"http://127.0.0.1:8000"``.
+        url: the service, e.g. ``"http://127.0.0.1:8000"``; ``FUSETUNE_URL`` when omitted.
         token: the tenant's bearer token; ``FUSETUNE_TOKEN`` when omitted.
         timeout: seconds per HTTP request.
     """
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
         self._url, self._token, self._timeout = url, token, timeout
         self._client = Client(url, token=token, timeout=timeout)
         # Finished trials never change on the service, so they are parsed once.

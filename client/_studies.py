@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optuna
 
-from ._client import Client, FusetuneError
+from ._client import Client, FusetuneError, service_url
 from ._specs import component_spec
 from ._storage import Storage
 
-__all__ = ["DEFAULT_URL", "create_study", "load_study"]
+__all__ = ["create_study", "load_study"]
 
-#: The service a client talks to when no ``url`` is given and ``FUSETUNE_URL`` is unset.
-DEFAULT_URL = "http://127.0.0.1:8000"
 _CONFLICT = 409
-
-
-def _url(url: str | None) -> str:
-    return url or os.environ.get("FUSETUNE_URL", DEFAULT_URL)
-
 
 def create_study(
     *,
@@ -31,6 +23,7 @@ def create_study(
     study_name: str | None = None,
     direction: str | optuna.study.StudyDirection | None = None,
     directions: Sequence[str | optuna.study.StudyDirection] | None = None,
+    metrics: Sequence[str] | None = None,
     sampler: optuna.samplers.BaseSampler | None = None,
     pruner: optuna.pruners.BasePruner | None = None,
     load_if_exists: bool = False,
@@ -44,7 +37,9 @@ def create_study(
     The service asks, fuses and trains its ``n_trials`` trials of ``workload`` in the
     background; the returned study reads them as they happen, through :class:`Storage`.
     ``sampler`` and ``pruner`` are any of Optuna's own samplers and pruners built from plain
-    arguments: the service rebuilds them from their class and arguments.
+    arguments: the service rebuilds them from their class and arguments. ``metrics`` names the
+    workload's metrics that are the objectives (several, with ``directions``, make the study
+    multi-objective; the workload's first metric when omitted).
 
     Raises:
         ValueError: naming the sampler's or pruner's class if it cannot be rebuilt, or the
@@ -63,6 +58,8 @@ def create_study(
         body["direction"] = _direction(direction)
     if directions is not None:
         body["directions"] = [_direction(d) for d in directions]
+    if metrics is not None:
+        body["metrics"] = list(metrics)
     if sampler is not None:
         body["sampler"] = component_spec(sampler)
     if pruner is not None:
@@ -73,7 +70,7 @@ def create_study(
         }
     if max_array_size is not None:
         body["max_array_size"] = max_array_size
-    url = _url(url)
+    url = service_url(url)
     with Client(url, token=token) as client:
         try:
             created = client.submit(body)
@@ -88,7 +85,7 @@ def create_study(
 
 def load_study(*, study_name: str, url: str | None = None, token: str | None = None) -> optuna.Study:
     """A service's study, read through :class:`Storage` (``optuna.load_study``'s twin)."""
-    return optuna.load_study(study_name=study_name, storage=Storage(_url(url), token=token))
+    return optuna.load_study(study_name=study_name, storage=Storage(service_url(url), token=token))
 
 
 def _direction(direction: str | optuna.study.StudyDirection) -> str:

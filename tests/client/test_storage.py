@@ -16,6 +16,7 @@ import pytest
 from fusetune import client as ft
 from fusetune.client import Client
 from tests.conftest import running_service
+from tests.server.conftest import LiveApi, live_api
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +68,10 @@ def test_a_study_created_from_optuna_objects_reads_back_as_the_database_holds_it
     assert remote.direction == optuna.study.StudyDirection.MAXIMIZE
     assert remote.best_trial.number == local.best_trial.number
     assert len(remote.trials_dataframe()) == 6
+    figure = optuna.visualization.plot_optimization_history(remote)
+    assert len(figure.data[0].x) == len(remote.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
+    figure = optuna.visualization.plot_optimization_history(remote)
+    assert len(figure.data[0].x) == len(remote.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
     assert [t.number for t in remote.get_trials(states=(optuna.trial.TrialState.COMPLETE,))] == [
         t.number for t in local.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
     ]
@@ -101,3 +106,27 @@ def test_a_sampler_that_cannot_be_rebuilt_is_refused_by_name(service: Client) ->
     with pytest.raises(ValueError, match="TPESampler"):
         ft.create_study(workload="digits-mlp", n_trials=2, sampler=sampler, url=service.url, token=service.token)
     assert service.studies() == []
+
+
+@pytest.fixture
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApi]:
+    yield from live_api(f"sqlite:///{tmp_path_factory.mktemp('db') / 'fusetune.db'}")
+
+
+def test_the_storage_sees_only_its_tenants_studies_and_refuses_a_bad_token(api: LiveApi) -> None:
+    _, mine = api.create_tenant("mine")
+    _, theirs = api.create_tenant("theirs")
+    ft.create_study(workload="digits-mlp", n_trials=2, study_name="private", url=api.url, token=mine)
+
+    assert [s.study_name for s in ft.Storage(api.url, token=mine).get_all_studies()] == ["private"]
+    other = ft.Storage(api.url, token=theirs)
+    assert other.get_all_studies() == []
+    with pytest.raises(KeyError):
+        optuna.load_study(study_name="private", storage=other)
+    study_id = ft.Storage(api.url, token=mine).get_study_id_from_name("private")
+    with pytest.raises(KeyError):  # another tenant's study is not there at all, not forbidden
+        other.get_all_trials(study_id)
+    for bad in ("not-a-token", "x" * 43):
+        with pytest.raises(ft.FusetuneError) as refused:
+            ft.Storage(api.url, token=bad).get_all_studies()
+        assert refused.value.status_code == 401
