@@ -16,11 +16,13 @@ from fusetune.client import Client, FusetuneError
 from fusetune.server.settings import Settings, get_settings
 
 #: The demo sweep: lr, momentum and weight decay are fusible; the two hidden widths are not.
+#: FusionSampler picks one width per group of max_array_size trials: two arrays of eight.
 DEMO_SWEEP: dict[str, Any] = {
     "workload": "digits-mlp",
     "n_trials": 16,
     "epochs": 15,
     "sampler": {"name": "TPESampler", "kwargs": {"seed": 7}},
+    "max_array_size": 8,
 }
 
 

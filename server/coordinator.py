@@ -23,6 +23,7 @@ from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from fusetune.client.samplers import FusionSampler
 from fusetune.scheduler import (
     Device,
     PendingTrial,
@@ -78,6 +79,37 @@ def trial_signature(workload: Workload, study: Study, params: Mapping[str, Any])
     with torch.device("meta"):
         model = workload.build_model(params)
     return shape_signature(model, array_settings(workload, study, params)).digest
+
+
+def study_sampler(study: Study, settings: Settings) -> optuna.samplers.BaseSampler:
+    """The sampler the service asks a study's trials from, built from the study's spec.
+
+    Unless the study opted out (``fusion_sampler``), it is a :class:`FusionSampler` around
+    the named sampler: the parameters that change ``trial_signature`` (derived from the
+    workload's space by that function) are sampled once per group of up to an array's size.
+    """
+    kwargs = dict(study.sampler.get("kwargs") or {})
+    sampler = make_sampler(study.sampler["name"], kwargs)
+    if isinstance(sampler, optuna.samplers.TPESampler) and "constant_liar" not in kwargs:
+        # Trials are asked in batches that fill arrays: the constant liar makes TPE
+        # count the running ones, so a batch spreads out instead of repeating itself.
+        sampler = make_sampler(study.sampler["name"], {**kwargs, "constant_liar": True})
+    if not study.sampler.get("fusion", True):
+        return sampler
+    workload = get_workload(study.workload)
+    try:
+        return FusionSampler.for_workload(
+            sampler,
+            workload,
+            group_size=study.max_array_size or settings.max_array_size,
+            distributions=parse_search_space(study.search_space) if study.search_space else None,
+            signature=lambda params: trial_signature(workload, study, params),
+        )
+    except ValueError as exc:
+        # No probe of the space built a model: its trials will fail one by one with their
+        # own errors, as they do without FusionSampler; the study must not stop asking.
+        log.warning("study %s samples without FusionSampler: %s", study.name, exc)
+        return sampler
 
 
 def _class_of(trial: Trial) -> str:
@@ -246,12 +278,7 @@ class Coordinator:
         would repeat its first suggestion.
         """
         if study.id not in self._mirrors:
-            kwargs = dict(study.sampler.get("kwargs") or {})
-            sampler = make_sampler(study.sampler["name"], kwargs)
-            if isinstance(sampler, optuna.samplers.TPESampler) and "constant_liar" not in kwargs:
-                # Trials are asked in batches that fill arrays: the constant liar makes TPE
-                # count the running ones, so a batch spreads out instead of repeating itself.
-                sampler = make_sampler(study.sampler["name"], {**kwargs, "constant_liar": True})
+            sampler = study_sampler(study, self.settings)
             pruner = (
                 make_pruner(study.pruner["name"], study.pruner.get("kwargs")) if study.pruner else optuna.pruners.NopPruner()
             )
