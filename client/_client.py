@@ -11,15 +11,6 @@ import httpx
 FINISHED = {"COMPLETE", "PRUNED", "FAIL"}
 
 
-#: The service a client talks to when no ``url`` is given and ``FUSETUNE_URL`` is unset.
-DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-def service_url(url: str | None = None) -> str:
-    """``url``, else ``FUSETUNE_URL``, else :data:`DEFAULT_URL`."""
-    return url or os.environ.get("FUSETUNE_URL", DEFAULT_URL)
-
-
 class FusetuneError(RuntimeError):
     """The service answered with an error; ``status_code`` and ``detail`` say which."""
 
@@ -32,12 +23,11 @@ class FusetuneError(RuntimeError):
 class Client:
     """Talks to one fusetune service, e.g. ``Client("http://127.0.0.1:8000", token=...)``.
 
-    ``url`` is ``FUSETUNE_URL`` when omitted; ``token`` is a tenant's (or the admin's) bearer
-    token, ``FUSETUNE_TOKEN`` when omitted.
+    ``token`` is a tenant's (or the admin's) bearer token; ``FUSETUNE_TOKEN`` when omitted.
     """
 
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
-        self.url = service_url(url).rstrip("/")
+    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
         token = token if token is not None else os.environ.get("FUSETUNE_TOKEN")
         self.token = token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -101,6 +91,35 @@ class Client:
     def arrays(self, study_id: int | None = None) -> list[dict[str, Any]]:
         params = {"study_id": study_id} if study_id is not None else {}
         return self._call("GET", "/api/v1/arrays", params=params)
+
+    # Tenants and tokens. Creating tenants and changing weights or quotas takes the admin's token.
+
+    def tenants(self) -> list[dict[str, Any]]:
+        """Every tenant (admin), or this token's own tenant."""
+        return self._call("GET", "/api/v1/tenants")
+
+    def create_tenant(self, name: str, weight: float = 1.0, **fields: Any) -> dict[str, Any]:
+        """A new tenant (admin): ``{"tenant": {...}, "token": {"id": ..., "token": ...}}``; the
+        token is shown only here. ``fields``: max_running_studies, max_trials_per_study, token_label."""
+        return self._call("POST", "/api/v1/tenants", json={"name": name, "weight": weight, **fields})
+
+    def update_tenant(self, name: str, **fields: Any) -> dict[str, Any]:
+        """Change a tenant's weight, max_running_studies or max_trials_per_study (admin; None: no limit)."""
+        return self._call("PATCH", f"/api/v1/tenants/{name}", json=fields)
+
+    def set_weight(self, name: str, weight: float) -> dict[str, Any]:
+        return self.update_tenant(name, weight=weight)
+
+    def tokens(self, tenant: str) -> list[dict[str, Any]]:
+        """A tenant's tokens: ids, labels, dates (never the tokens themselves)."""
+        return self._call("GET", f"/api/v1/tenants/{tenant}/tokens")
+
+    def create_token(self, tenant: str, label: str | None = None) -> dict[str, Any]:
+        """Another token for ``tenant`` (the admin, or the tenant itself); ``["token"]`` is shown only here."""
+        return self._call("POST", f"/api/v1/tenants/{tenant}/tokens", json={"label": label})
+
+    def revoke_token(self, token_id: int) -> dict[str, Any]:
+        return self._call("DELETE", f"/api/v1/tokens/{token_id}")
 
     # Tenants and tokens. Creating tenants and changing weights or quotas takes the admin's token.
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fusetune.server import service
-from fusetune.server.api import health_router, router
+from fusetune.server.api import health_router, router, tenants_router
 from fusetune.server.coordinator import Coordinator
 from fusetune.server.db import get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.settings import Settings, get_settings
@@ -81,6 +81,7 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
     app.state.settings = settings
     app.state.sessions = get_sessionmaker(settings.database_url)
     app.include_router(router)
+    app.include_router(tenants_router)
     app.include_router(health_router)
 
     @app.exception_handler(service.NotFound)
@@ -89,7 +90,12 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
 
     @app.exception_handler(service.Conflict)
     async def conflict(_: Request, exc: service.Conflict) -> JSONResponse:
-        detail = [{"loc": ["body", exc.field], "msg": str(exc), "type": "conflict"}]
+        detail = [{"loc": [exc.where, exc.field], "msg": str(exc), "type": "conflict"}]
         return JSONResponse(status_code=409, content={"detail": detail})
+
+    @app.exception_handler(service.Invalid)
+    async def invalid(_: Request, exc: service.Invalid) -> JSONResponse:
+        detail = [{"loc": [exc.where, exc.field], "msg": str(exc), "type": "value_error"}]
+        return JSONResponse(status_code=422, content={"detail": detail})
 
     return app

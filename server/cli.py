@@ -1,4 +1,4 @@
-"""The ``fusetune`` command: ``serve``, ``submit``, ``status``, ``demo`` and ``simulate``."""
+"""The ``fusetune`` command: ``serve``, ``submit``, ``status``, ``tenants``, ``demo`` and ``simulate``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ from typing import Any
 
 import uvicorn
 
+from pydantic import SecretStr, ValidationError
+
 from fusetune.client import Client, FusetuneError
 from fusetune.server.settings import Settings, get_settings
+
+log = logging.getLogger("fusetune")
 
 #: The demo sweep: lr, momentum and weight decay are fusible; the two hidden widths are not.
 #: FusionSampler picks one width per group of max_array_size trials: two arrays of eight.
@@ -32,7 +36,7 @@ class BackgroundServer:
     def __init__(self, settings: Settings, schedule: bool = True) -> None:
         from fusetune.server.app import create_app
 
-        app = create_app(settings, schedule=schedule)
+        self.app = app = create_app(settings, schedule=schedule)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
@@ -64,13 +68,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fusetune.server.app import create_app
 
     settings = get_settings()
+    if settings.admin_token is None:
+        log.warning(
+            "FUSETUNE_ADMIN_TOKEN is not set: no admin over HTTP. Every route still needs a tenant's "
+            "token; create tenants with `fusetune tenants create NAME --database`."
+        )
     uvicorn.run(create_app(settings), host=args.host or settings.host, port=args.port or settings.port)
     return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     body = json.load(sys.stdin if args.file == "-" else open(args.file))
-    with Client(args.url) as client:
+    with Client(args.url, token=args.token) as client:
         try:
             study = client.submit(body)
         except FusetuneError as exc:
@@ -81,7 +90,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with Client(args.url) as client:
+    try:
+        return _status(args)
+    except FusetuneError as exc:
+        print(f"rejected: {exc}", file=sys.stderr)
+        return 2
+
+
+def _status(args: argparse.Namespace) -> int:
+    with Client(args.url, token=args.token) as client:
         if args.study_id is None:
             for s in client.studies():
                 print(f"{s['id']:>4} {s['name']:<32} {s['state']:<9} {s['trial_counts']}")
@@ -92,16 +109,133 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+class DatabaseTenants:
+    """``fusetune tenants ... --database``: the tenants service on the database, as its operator.
+
+    For bootstrapping (no admin token yet) and for an operator who holds the database
+    credentials; takes the same calls as :class:`fusetune.client.Client`.
+    """
+
+    def __init__(self, url: str) -> None:
+        from fusetune.server.db import get_optuna_storage, get_sessionmaker, upgrade
+
+        upgrade(url)
+        get_optuna_storage(url)  # the server creates Optuna's tables beside ours too
+        self.sessions = get_sessionmaker(url)
+
+    def _run(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.sessions() as session:
+            out = call(session, *args, **kwargs)
+        return [o.model_dump(mode="json") for o in out] if isinstance(out, list) else out.model_dump(mode="json")
+
+    def tenants(self) -> list[dict[str, Any]]:
+        from fusetune.server import tenants
+
+        return self._run(tenants.list_tenants)
+
+    def create_tenant(self, name: str, weight: float = 1.0, **fields: Any) -> dict[str, Any]:
+        from fusetune.server import tenants
+        from fusetune.server.schemas import TenantCreate
+
+        return self._run(tenants.create_tenant, TenantCreate(name=name, weight=weight, **fields))
+
+    def update_tenant(self, name: str, **fields: Any) -> dict[str, Any]:
+        from fusetune.server import tenants
+        from fusetune.server.schemas import TenantUpdate
+
+        return self._run(tenants.update_tenant, name, TenantUpdate(**fields))
+
+    def set_weight(self, name: str, weight: float) -> dict[str, Any]:
+        return self.update_tenant(name, weight=weight)
+
+    def tokens(self, tenant: str) -> list[dict[str, Any]]:
+        from fusetune.server import tenants
+
+        return self._run(tenants.list_tokens, tenant)
+
+    def create_token(self, tenant: str, label: str | None = None) -> dict[str, Any]:
+        from fusetune.server import tenants
+
+        return self._run(tenants.create_token, tenant, label)
+
+    def revoke_token(self, token_id: int) -> dict[str, Any]:
+        from fusetune.server import tenants
+
+        return self._run(tenants.revoke_token, token_id)
+
+    def close(self) -> None:
+        pass
+
+
+def _quota(value: str) -> int | None:
+    """A quota on the command line: a count, or ``none`` for no limit."""
+    return None if value.lower() == "none" else int(value)
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from fusetune.server import service
+
+    if args.database or args.database_url:
+        backend: Any = DatabaseTenants(args.database_url or get_settings().database_url)
+    else:
+        backend = Client(args.url, token=args.token)
+    try:
+        if args.action == "create":
+            quotas = {k: getattr(args, k) for k in ("max_running_studies", "max_trials_per_study") if getattr(args, k) is not None}
+            created = backend.create_tenant(args.name, args.weight, token_label=args.label, **quotas)
+            print(json.dumps(created, indent=2))
+            print(f"tenant {args.name}'s token is shown only this once: hand it over as FUSETUNE_TOKEN", file=sys.stderr)
+        elif args.action == "list":
+            print(f"{'tenant':<24} {'weight':>8} {'max running studies':>20} {'max trials/study':>17}")
+            for t in backend.tenants():
+                limits = [("-" if t[k] is None else t[k]) for k in ("max_running_studies", "max_trials_per_study")]
+                print(f"{t['name']:<24} {t['weight']:>8g} {limits[0]:>20} {limits[1]:>17}")
+        elif args.action == "set-weight":
+            print(json.dumps(backend.set_weight(args.name, args.weight), indent=2))
+        elif args.action == "set-quota":
+            changes = {k: getattr(args, k) for k in ("max_running_studies", "max_trials_per_study") if getattr(args, k) != "keep"}
+            print(json.dumps(backend.update_tenant(args.name, **changes), indent=2))
+        elif args.action == "token":
+            print(json.dumps(backend.create_token(args.name, args.label), indent=2))
+            print("the token is shown only this once", file=sys.stderr)
+        elif args.action == "tokens":
+            print(f"{'id':>5} {'created':<26} {'revoked':<26} label")
+            for t in backend.tokens(args.name):
+                print(f"{t['id']:>5} {t['created_at']:<26} {t['revoked_at'] or '-':<26} {t['label'] or ''}")
+        elif args.action == "revoke":
+            revoked = backend.revoke_token(args.token_id)
+            print(f"token {revoked['id']} of tenant {revoked['tenant']} revoked at {revoked['revoked_at']}")
+    except FusetuneError as exc:
+        print(f"rejected: {exc}", file=sys.stderr)
+        return 2
+    except (ValidationError, service.NotFound, service.Conflict, service.Invalid) as exc:
+        print(f"rejected: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        backend.close()
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import ray
 
+    from fusetune.server.auth import new_token
+
     settings = get_settings()
+    made_up_admin = settings.admin_token is None
+    if made_up_admin:  # this run's admin, to create the local tenant's token with
+        settings = settings.model_copy(update={"admin_token": SecretStr(new_token())})
     print(f"fusetune: database {settings.database_url}; starting the service and a local Ray instance ...")
     # Ray installs its signal handlers only from the main thread, not from uvicorn's.
     ray.init(address=settings.ray_address, include_dashboard=False, log_to_driver=False)
     server = BackgroundServer(settings).start()
     try:
-        with Client(server.url) as client:
+        with Client(server.url, token=settings.admin_token.get_secret_value()) as admin:
+            token = _local_tenant_token(admin)
+        print(f"tenant 'default', its token (shown once; also in the summary below):\n  export FUSETUNE_TOKEN={token}")
+        if made_up_admin:
+            print(f"admin token of this run (set FUSETUNE_ADMIN_TOKEN to keep one):\n  {settings.admin_token.get_secret_value()}")
+        with Client(server.url, token=token) as client:
             started = time.monotonic()
             study = client.create_study(name=f"demo-{time.strftime('%Y%m%d-%H%M%S')}", **DEMO_SWEEP)
             print(f"submitted study {study['id']} ({study['name']}): {DEMO_SWEEP['n_trials']} digits-mlp trials")
@@ -127,6 +261,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 print(f"best trial #{best['number']}: accuracy {best['value']:.4f} with {best['params']}")
             print(f"\nAPI docs:  {server.url}/docs")
             print(f"trials:    {server.url}/api/v1/studies/{study['id']}/trials")
+            print(f"token:     export FUSETUNE_TOKEN={token}   (tenant 'default')")
+            print(f'try:       curl -H "Authorization: Bearer $FUSETUNE_TOKEN" {server.url}/api/v1/studies/{study["id"]}')
             print(f"Optuna:    optuna.load_study(study_name={study['name']!r}, storage={settings.database_url!r})")
         if args.exit:
             return 0
@@ -137,6 +273,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 0
     finally:
         server.stop()
+
+
+def _local_tenant_token(admin: Client) -> str:
+    """A new token for the local tenant ``default``, creating the tenant if needed."""
+    if "default" not in {t["name"] for t in admin.tenants()}:
+        return admin.create_tenant("default", token_label="fusetune demo")["token"]["token"]
+    return admin.create_token("default", label="fusetune demo")["token"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,15 +293,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("submit", help="submit a study from a JSON file ('-' for stdin)")
+    rest = argparse.ArgumentParser(add_help=False)
+    rest.add_argument("--url", default=default_url)
+    rest.add_argument("--token", help="bearer token (default: FUSETUNE_TOKEN)")
+
+    p = sub.add_parser("submit", parents=[rest], help="submit a study from a JSON file ('-' for stdin)")
     p.add_argument("file")
-    p.add_argument("--url", default=default_url)
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("status", help="list studies, or one study's trials")
+    p = sub.add_parser("status", parents=[rest], help="list studies, or one study's trials")
     p.add_argument("study_id", nargs="?", type=int)
-    p.add_argument("--url", default=default_url)
     p.set_defaults(func=cmd_status)
+
+    tenants = sub.add_parser(
+        "tenants",
+        help="create and list tenants, set weights and quotas, issue and revoke tokens",
+        description="Over the REST API with the admin's token (--token or FUSETUNE_TOKEN; a tenant's "
+        "own token may list, issue and revoke its tokens), or with --database directly on the "
+        "database, as its operator (e.g. to create the first tenants when no FUSETUNE_ADMIN_TOKEN is set).",
+    )
+    tenants.set_defaults(func=cmd_tenants)
+    via = argparse.ArgumentParser(add_help=False, parents=[rest])
+    via.add_argument("--database", action="store_true", help="work on the database (FUSETUNE_DATABASE_URL), not the API")
+    via.add_argument("--database-url", metavar="URL", help="work on the database at URL (implies --database)")
+    actions = tenants.add_subparsers(dest="action", required=True)
+    p = actions.add_parser("create", parents=[via], help="create a tenant; prints its first token, once")
+    p.add_argument("name")
+    p.add_argument("--weight", type=float, default=1.0)
+    p.add_argument("--max-running-studies", type=int)
+    p.add_argument("--max-trials-per-study", type=int)
+    p.add_argument("--label", help="a note on the token (who holds it)")
+    actions.add_parser("list", parents=[via], help="tenants, weights and quotas")
+    p = actions.add_parser("set-weight", parents=[via], help="change a tenant's weight")
+    p.add_argument("name")
+    p.add_argument("weight", type=float)
+    p = actions.add_parser("set-quota", parents=[via], help="change a tenant's quotas ('none': no limit)")
+    p.add_argument("name")
+    p.add_argument("--max-running-studies", type=_quota, default="keep", metavar="N|none")
+    p.add_argument("--max-trials-per-study", type=_quota, default="keep", metavar="N|none")
+    p = actions.add_parser("token", parents=[via], help="issue another token for a tenant; printed once")
+    p.add_argument("name")
+    p.add_argument("--label", help="a note on the token (who holds it)")
+    p = actions.add_parser("tokens", parents=[via], help="a tenant's tokens (ids, dates; never the tokens)")
+    p.add_argument("name")
+    p = actions.add_parser("revoke", parents=[via], help="revoke a token by its id")
+    p.add_argument("token_id", type=int)
 
     p = sub.add_parser("demo", help="start the service, run the demo sweep, keep serving")
     p.add_argument("--exit", action="store_true", help="exit when the sweep is done instead of serving")

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from fusetune.server.db import ArrayState, StudyState, TrialState
 from fusetune.server.optuna_specs import PRUNERS, SAMPLERS, SpecError, make_pruner, make_sampler
-from fusetune.workers.workloads import UnknownWorkloadError, get_workload
+from fusetune.workers.workloads import UnknownWorkloadError, WorkloadImportsDisabled, get_workload
 
 
 class ComponentSpec(BaseModel):
@@ -91,23 +91,23 @@ class StudyCreate(BaseModel):
     # The name is also a folder under the artifact directory (saved members, checkpoints).
     name: str | None = Field(None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                              description="Letters, digits, '.', '_' and '-', starting with a letter or digit.")
-    tenant: str = Field("default", min_length=1, max_length=255)
+    tenant: str | None = Field(
+        None, min_length=1, max_length=255,
+        description="The tenant the study belongs to. A tenant's token: its own (the default). "
+        "The admin's: any tenant; default `default`.",
+    )
     search_space: dict[str, str | dict[str, Any]] | None = None
     sampler: SamplerSpec = Field(default_factory=lambda: SamplerSpec(name="TPESampler"))
     pruner: PrunerSpec | None = None
     max_array_size: int | None = Field(None, gt=0, le=4096)
-    fusion_sampler: bool = Field(
-        True,
-        description="Wrap the sampler in fusetune.client.FusionSampler: the parameters that change "
-        "a trial's shapes are sampled once per group of up to max_array_size trials, so the trials "
-        "asked together fuse into few arrays. false: the sampler alone.",
-    )
 
     @field_validator("workload")
     @classmethod
     def _workload_exists(cls, name: str) -> str:
         try:
-            get_workload(name)
+            get_workload(name, allow_imports=False)  # never imports: the service decides on paths
+        except WorkloadImportsDisabled:
+            pass
         except UnknownWorkloadError as exc:
             raise ValueError(str(exc)) from exc
         return name
@@ -151,15 +151,6 @@ class StudyOut(BaseModel):
     completed_at: datetime | None
     trial_counts: dict[str, int] = Field(default_factory=dict)
     best_trial: BestTrial | None = None
-    fusion_sampler: bool = True
-
-    @model_validator(mode="after")
-    def _fusion_flag_of_the_sampler_spec(self) -> StudyOut:
-        # Stored in the sampler spec ({"fusion": false} only when opted out), shown on its own.
-        if "fusion" in self.sampler:
-            self.fusion_sampler = bool(self.sampler["fusion"])
-            self.sampler = {k: v for k, v in self.sampler.items() if k != "fusion"}
-        return self
 
 
 class TrialOut(BaseModel):
@@ -203,10 +194,49 @@ class ArrayOut(BaseModel):
     completed_at: datetime | None
 
 
-class TenantUpdate(BaseModel):
+_WEIGHT = {"gt": 0, "le": 1e6, "description": "Shares of the cluster (2.0 = twice a weight-1 tenant's)."}
+_MAX_RUNNING = {"ge": 0, "le": 1_000_000, "description": "Most of its studies RUNNING at once; null: no limit."}
+_MAX_TRIALS = {"ge": 1, "le": 100_000, "description": "Most trials (n_trials) one of its studies may have; null: no limit."}
+
+
+class TenantCreate(BaseModel):
+    """A new tenant (admin only); it gets its first token in the answer."""
+
     model_config = ConfigDict(extra="forbid")
 
-    weight: float = Field(gt=0, le=1e6, description="Shares of the cluster (2.0 = twice a weight-1 tenant's).")
+    name: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="Letters, digits, '.', '_' and '-', starting with a letter or digit.")
+    weight: float = Field(1.0, **_WEIGHT)
+    max_running_studies: int | None = Field(None, **_MAX_RUNNING)
+    max_trials_per_study: int | None = Field(None, **_MAX_TRIALS)
+    token_label: str | None = Field(None, max_length=255, description="A note on the first token (who holds it).")
+
+
+class TenantUpdate(BaseModel):
+    """Changes to a tenant's weight or quotas (admin only); fields left out stay as they are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    weight: float | None = Field(None, **_WEIGHT)
+    max_running_studies: int | None = Field(None, **_MAX_RUNNING)
+    max_trials_per_study: int | None = Field(None, **_MAX_TRIALS)
+
+    @field_validator("weight")
+    @classmethod
+    def _weight_not_null(cls, weight: float | None) -> float:
+        if weight is None:
+            raise ValueError("weight cannot be null; leave it out to keep the current weight")
+        return weight
+
+    @model_validator(mode="after")
+    def _changes_something(self) -> TenantUpdate:
+        if not self.model_fields_set:
+            raise ValueError("name at least one of weight, max_running_studies, max_trials_per_study")
+        return self
+
+    def changes(self) -> dict[str, Any]:
+        """The fields the request set (a quota set to null: no limit)."""
+        return {field: getattr(self, field) for field in self.model_fields_set}
 
 
 class TenantOut(BaseModel):
@@ -214,6 +244,35 @@ class TenantOut(BaseModel):
 
     name: str
     weight: float
+    max_running_studies: int | None = None
+    max_trials_per_study: int | None = None
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    label: str | None = Field(None, max_length=255, description="A note on the token (who holds it).")
+
+
+class TokenOut(BaseModel):
+    """A token's record; the token itself is shown only once, when it is created."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    tenant: str
+    label: str | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenOut):
+    token: str = Field(description="The bearer token. Shown this once: fusetune keeps only its hash.")
+
+
+class TenantCreated(BaseModel):
+    tenant: TenantOut
+    token: TokenCreated
 
 
 class Health(BaseModel):

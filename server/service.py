@@ -13,10 +13,15 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from fusetune.server.db import Array, Study, Tenant, Trial, TrialState, get_optuna_storage
+from fusetune.server.db import Array, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
 from fusetune.server.optuna_specs import make_sampler
-from fusetune.server.schemas import ArrayOut, BestTrial, StudyCreate, StudyOut, TenantOut, TenantUpdate, TrialOut
-from fusetune.workers.workloads import get_workload
+from fusetune.server.schemas import ArrayOut, BestTrial, StudyCreate, StudyOut, TrialOut
+from fusetune.workers.workloads import UnknownWorkloadError, get_workload
+
+# Scoping: functions that read or change a tenant's resources take ``as_tenant``, the tenant
+# the caller acts for (None: the admin, or an operator calling in-process, who see every
+# tenant's). Another tenant's resource is NotFound, with the message a missing one gets, so
+# ids leak nothing.
 
 
 class NotFound(LookupError):
@@ -24,16 +29,71 @@ class NotFound(LookupError):
 
 
 class Conflict(ValueError):
-    """The request clashes with existing state; ``field`` names the clashing field."""
+    """The request clashes with existing state; ``field`` names the clashing field.
 
-    def __init__(self, field: str, message: str) -> None:
+    ``where`` is the first part of the error's ``loc``: ``body`` for a field of the request,
+    ``tenant`` for a quota of the caller's tenant.
+    """
+
+    def __init__(self, field: str, message: str, *, where: str = "body") -> None:
         super().__init__(message)
         self.field = field
+        self.where = where
 
 
-def create_study(session: Session, url: str, request: StudyCreate) -> StudyOut:
-    """Create the Optuna study and fusetune's record of it, or neither."""
-    workload = get_workload(request.workload)
+class Invalid(ValueError):
+    """Bad input that only the service can tell (it takes the database or the settings): a 422
+    whose ``loc`` is ``[where, field]``."""
+
+    def __init__(self, field: str, message: str, *, where: str = "body") -> None:
+        super().__init__(message)
+        self.field = field
+        self.where = where
+
+
+def _tenant_for_study(session: Session, request: StudyCreate, as_tenant: str | None) -> Tenant:
+    """The tenant a new study belongs to, row-locked until the commit (quotas are per tenant)."""
+    name = request.tenant or as_tenant or "default"
+    tenant = None
+    if as_tenant is None or name == as_tenant:  # another tenant's name reads as an unknown one
+        tenant = session.get(Tenant, name, with_for_update=True)
+    if tenant is None:
+        raise Invalid("tenant", f"tenant {name!r} does not exist")
+    if tenant.max_trials_per_study is not None and request.n_trials > tenant.max_trials_per_study:
+        raise Invalid(
+            "n_trials",
+            f"n_trials={request.n_trials} is over tenant {name!r}'s quota max_trials_per_study="
+            f"{tenant.max_trials_per_study}",
+        )
+    if tenant.max_running_studies is not None:
+        running = session.scalar(
+            select(func.count()).select_from(Study).where(Study.tenant == name, Study.state == StudyState.RUNNING)
+        )
+        if running >= tenant.max_running_studies:
+            raise Conflict(
+                "max_running_studies",
+                f"tenant {name!r} runs {running} studies, its quota max_running_studies="
+                f"{tenant.max_running_studies}; wait for one to complete",
+                where="tenant",
+            )
+    return tenant
+
+
+def create_study(
+    session: Session, url: str, request: StudyCreate, *, as_tenant: str | None = None,
+    allow_workload_imports: bool = False,
+) -> StudyOut:
+    """Create the Optuna study and fusetune's record of it, or neither.
+
+    The study belongs to ``request.tenant``, else to ``as_tenant``, else to ``default``; the
+    tenant must exist, and its quotas hold. A workload given as a module path is imported only
+    with ``allow_workload_imports`` (the server's ``FUSETUNE_ALLOW_WORKLOAD_IMPORTS``).
+    """
+    try:
+        workload = get_workload(request.workload, allow_imports=allow_workload_imports)
+    except UnknownWorkloadError as exc:
+        raise Invalid("workload", str(exc)) from exc
+    tenant = _tenant_for_study(session, request, as_tenant)
     name = request.name or f"{request.workload}-{uuid.uuid4().hex[:8]}"
     if session.scalar(select(Study.id).where(Study.name == name)) is not None:
         raise Conflict("name", f"a study named {name!r} already exists")
@@ -50,21 +110,17 @@ def create_study(session: Session, url: str, request: StudyCreate) -> StudyOut:
         raise Conflict("name", f"an Optuna study named {name!r} already exists") from exc
     study = Study(
         name=name,
-        tenant=request.tenant,
+        tenant=tenant.name,
         workload=request.workload,
         n_trials=request.n_trials,
         epochs=request.epochs,
         direction=direction,
         search_space=request.search_space,
-        # The FusionSampler opt-out rides in the sampler spec, so no column: absent means on.
-        sampler={**request.sampler.model_dump(), **({} if request.fusion_sampler else {"fusion": False})},
+        sampler=request.sampler.model_dump(),
         pruner=request.pruner.model_dump() if request.pruner else None,
         max_array_size=request.max_array_size,
         optuna_study_id=optuna_study._study_id,
     )
-    if session.get(Tenant, request.tenant) is None:
-        session.add(Tenant(name=request.tenant, weight=1.0))
-        session.flush()
     session.add(study)
     try:
         session.commit()
@@ -75,20 +131,23 @@ def create_study(session: Session, url: str, request: StudyCreate) -> StudyOut:
     return _study_out(session, url, study)
 
 
-def list_studies(session: Session, url: str, tenant: str | None = None) -> list[StudyOut]:
+def list_studies(session: Session, url: str, tenant: str | None = None, *, as_tenant: str | None = None) -> list[StudyOut]:
+    """Studies, optionally of one tenant; a tenant sees only its own."""
     query = select(Study).order_by(Study.id)
+    if as_tenant is not None:
+        query = query.where(Study.tenant == as_tenant)
     if tenant is not None:
         query = query.where(Study.tenant == tenant)
     return [_study_out(session, url, s) for s in session.scalars(query)]
 
 
-def get_study(session: Session, url: str, study_id: int) -> StudyOut:
-    return _study_out(session, url, _study(session, study_id))
+def get_study(session: Session, url: str, study_id: int, *, as_tenant: str | None = None) -> StudyOut:
+    return _study_out(session, url, _study(session, study_id, as_tenant))
 
 
-def _study(session: Session, study_id: int) -> Study:
+def _study(session: Session, study_id: int, as_tenant: str | None = None) -> Study:
     study = session.get(Study, study_id)
-    if study is None:
+    if study is None or (as_tenant is not None and study.tenant != as_tenant):
         raise NotFound(f"study {study_id} does not exist")
     return study
 
@@ -111,9 +170,9 @@ def _study_out(session: Session, url: str, study: Study) -> StudyOut:
     return out
 
 
-def list_trials(session: Session, url: str, study_id: int) -> list[TrialOut]:
+def list_trials(session: Session, url: str, study_id: int, *, as_tenant: str | None = None) -> list[TrialOut]:
     """Every trial of a study, with its per-epoch validation metric from Optuna's storage."""
-    study = _study(session, study_id)
+    study = _study(session, study_id, as_tenant)
     frozen = {
         t._trial_id: t
         for t in get_optuna_storage(url).get_all_trials(study.optuna_study_id, deepcopy=False)
@@ -128,24 +187,11 @@ def list_trials(session: Session, url: str, study_id: int) -> list[TrialOut]:
     return out
 
 
-def list_arrays(session: Session, study_id: int | None = None) -> list[ArrayOut]:
+def list_arrays(session: Session, study_id: int | None = None, *, as_tenant: str | None = None) -> list[ArrayOut]:
     query = select(Array).order_by(Array.id)
+    if as_tenant is not None:
+        query = query.join(Study, Array.study_id == Study.id).where(Study.tenant == as_tenant)
     if study_id is not None:
-        _study(session, study_id)
+        _study(session, study_id, as_tenant)
         query = query.where(Array.study_id == study_id)
     return [ArrayOut.model_validate(a) for a in session.scalars(query)]
-
-
-def list_tenants(session: Session) -> list[TenantOut]:
-    return [TenantOut.model_validate(t) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
-
-
-def put_tenant(session: Session, name: str, update: TenantUpdate) -> TenantOut:
-    """Create the tenant or change its weight; the scheduler uses it from its next round."""
-    tenant = session.get(Tenant, name)
-    if tenant is None:
-        tenant = Tenant(name=name)
-        session.add(tenant)
-    tenant.weight = update.weight
-    session.commit()
-    return TenantOut.model_validate(tenant)

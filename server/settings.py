@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 
@@ -20,7 +20,8 @@ class Settings(BaseSettings):
     local Ray instance) and in production (PostgreSQL and a Ray cluster).
     """
 
-    model_config = SettingsConfigDict(env_prefix="FUSETUNE_", extra="ignore")
+    # Errors name the field, never echo its value: admin_token and database_url hold secrets.
+    model_config = SettingsConfigDict(env_prefix="FUSETUNE_", extra="ignore", hide_input_in_errors=True)
 
     database_url: str = Field(
         "sqlite:///./fusetune.db",
@@ -28,6 +29,17 @@ class Settings(BaseSettings):
     )
     ray_address: str | None = Field(
         None, description="Address of an existing Ray cluster; unset starts a local Ray instance."
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bearer token of the admin, who creates tenants, sets their weights and quotas and "
+        "may act on every tenant's resources; at least 16 characters. Unset: no admin over HTTP "
+        "(`fusetune tenants ... --database` manages tenants directly; `fusetune demo` makes one up).",
+    )
+    allow_workload_imports: bool = Field(
+        False,
+        description="Accept studies whose workload is a `package.module:attr` import path (the server "
+        "imports that module). Off: only registered and entry-point workloads.",
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -90,6 +102,19 @@ class Settings(BaseSettings):
     lease_s: float = Field(360.0, ge=0, description="How long a placement is guaranteed before it may be revised.")
     poll_interval_s: float = Field(0.2, gt=0, description="Period of the scheduling loop.")
     device_refresh_s: float = Field(10.0, gt=0, description="How often to look for new accelerators in the Ray cluster.")
+
+    @field_validator("admin_token", mode="before")
+    @classmethod
+    def _strong_admin_token(cls, value: object) -> object:
+        if value is None or value == "":
+            return None  # `FUSETUNE_ADMIN_TOKEN=` (e.g. docker compose passing an unset variable)
+        secret = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if isinstance(secret, str) and len(secret) < 16:
+            raise ValueError(
+                "admin_token must have at least 16 characters; make one with "
+                "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return value
 
     @field_validator("database_url")
     @classmethod

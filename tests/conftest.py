@@ -27,15 +27,26 @@ def free_port() -> int:
 
 @contextmanager
 def running_service(ray_address: str, database_url: str, **settings: object) -> Iterator["Client"]:
-    """A live uvicorn serving the whole service (API, scheduling loop, Ray workers)."""
+    """A live uvicorn serving the whole service (API, scheduling loop, Ray workers).
+
+    Yields a client authenticated as the tenant ``default``, with a token made by the
+    service's admin.
+    """
+    import secrets
+
     from fusetune.client import Client
     from fusetune.server.cli import BackgroundServer
     from fusetune.server.settings import Settings
 
-    config = Settings(database_url=database_url, port=free_port(), ray_address=ray_address, **settings)
+    admin_token = secrets.token_urlsafe(32)
+    config = Settings(
+        database_url=database_url, port=free_port(), ray_address=ray_address, admin_token=admin_token, **settings
+    )
     server = BackgroundServer(config).start()
     try:
-        with Client(server.url) as client:
+        with Client(server.url, token=admin_token) as admin:
+            token = admin.create_token("default", label="tests")["token"]
+        with Client(server.url, token=token) as client:
             yield client
     finally:
         server.stop()

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import optuna
 import pytest
 
+from fusetune.server.cli import BackgroundServer
+from fusetune.server.settings import Settings
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -25,6 +28,8 @@ def test_demo_sweep(ray_cluster: str, tmp_path: Path) -> None:
         # The session's Ray has 4 logical CPUs; `make run` on this 2-core machine starts 2 workers.
         "FUSETUNE_CPU_WORKERS": "2",
     }
+    for leftover in ("FUSETUNE_ADMIN_TOKEN", "FUSETUNE_TOKEN"):  # the embedded default: none configured
+        env.pop(leftover, None)
     done = subprocess.run(
         [sys.executable, "-m", "fusetune.server.cli", "demo", "--exit", "--timeout", "290"],
         cwd=tmp_path,
@@ -50,3 +55,21 @@ def test_demo_sweep(ray_cluster: str, tmp_path: Path) -> None:
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
     assert {t.params["hidden"] for t in study.trials} == {32, 64}
     assert study.best_value == pytest.approx(best, abs=1e-4)
+
+    # The token it printed is the local tenant's, and works on a later server of that database.
+    tokens = set(re.findall(r"export FUSETUNE_TOKEN=(\S+)", out))
+    assert len(tokens) == 1, out
+    token = tokens.pop()
+    assert "Authorization: Bearer $FUSETUNE_TOKEN" in out
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'fusetune.db'}", port=free_port())
+    server = BackgroundServer(settings, schedule=False).start()
+    try:
+        studies = httpx.get(f"{server.url}/api/v1/studies", headers={"Authorization": f"Bearer {token}"})
+        assert studies.status_code == 200
+        assert [(s["name"], s["tenant"], s["state"]) for s in studies.json()] == [(name, "default", "COMPLETE")]
+        assert httpx.get(f"{server.url}/api/v1/studies").status_code == 401
+        # The admin token was this run's only.
+        admin = re.search(r"admin token of this run.*\n\s+(\S+)", out).group(1)
+        assert httpx.get(f"{server.url}/api/v1/studies", headers={"Authorization": f"Bearer {admin}"}).status_code == 401
+    finally:
+        server.stop()

@@ -1,35 +1,38 @@
-"""REST routes, ``/api/v1``: thin wrappers that validate, call the service layer and serialise."""
+"""REST routes, ``/api/v1``: thin wrappers that validate, call the service layer and serialise.
+
+Every route of ``router`` authenticates (see :mod:`fusetune.server.api.deps` for the rules);
+routes on tenant resources pass the caller's tenant to the service as ``as_tenant``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-from fastapi import APIRouter, Depends, Path, Query, Request, status
+from fastapi import APIRouter, Depends, Query, Request, status
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from fusetune.server import service
-from fusetune.server.schemas import ArrayOut, Health, StudyCreate, StudyOut, TenantOut, TenantUpdate, TrialOut
+from fusetune.server.api.deps import authenticate, get_app_settings, get_session, get_url
+from fusetune.server.auth import Principal
+from fusetune.server.schemas import ArrayOut, Health, StudyCreate, StudyOut, TrialOut
+from fusetune.server.settings import Settings
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 health_router = APIRouter()
-
-
-def get_session(request: Request) -> Iterator[Session]:
-    with request.app.state.sessions() as session:
-        yield session
-
-
-def get_url(request: Request) -> str:
-    return request.app.state.settings.database_url
 
 
 @router.post("/studies", status_code=status.HTTP_201_CREATED, response_model=StudyOut, tags=["studies"])
 def create_study(
-    body: StudyCreate, request: Request, session: Session = Depends(get_session), url: str = Depends(get_url)
+    body: StudyCreate,
+    request: Request,
+    principal: Principal = Depends(authenticate),
+    settings: Settings = Depends(get_app_settings),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
 ) -> StudyOut:
     """Start a tuning study; its trials are asked, fused into arrays and trained in the background."""
-    study = service.create_study(session, url, body)
+    study = service.create_study(
+        session, url, body, as_tenant=principal.tenant, allow_workload_imports=settings.allow_workload_imports
+    )
     coordinator = getattr(request.app.state, "coordinator", None)
     if coordinator is not None:
         coordinator.wake()  # schedule it now, not at the next poll
@@ -38,39 +41,43 @@ def create_study(
 
 @router.get("/studies", response_model=list[StudyOut], tags=["studies"])
 def list_studies(
-    tenant: str | None = Query(None), session: Session = Depends(get_session), url: str = Depends(get_url)
+    tenant: str | None = Query(None, description="Only this tenant's (a tenant's token sees only its own anyway)."),
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
 ) -> list[StudyOut]:
-    return service.list_studies(session, url, tenant)
+    return service.list_studies(session, url, tenant, as_tenant=principal.tenant)
 
 
 @router.get("/studies/{study_id}", response_model=StudyOut, tags=["studies"])
-def get_study(study_id: int, session: Session = Depends(get_session), url: str = Depends(get_url)) -> StudyOut:
-    return service.get_study(session, url, study_id)
+def get_study(
+    study_id: int,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> StudyOut:
+    return service.get_study(session, url, study_id, as_tenant=principal.tenant)
 
 
 @router.get("/studies/{study_id}/trials", response_model=list[TrialOut], tags=["trials"])
-def list_trials(study_id: int, session: Session = Depends(get_session), url: str = Depends(get_url)) -> list[TrialOut]:
+def list_trials(
+    study_id: int,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> list[TrialOut]:
     """Every trial: params, state, per-epoch validation metric, final value and its array."""
-    return service.list_trials(session, url, study_id)
+    return service.list_trials(session, url, study_id, as_tenant=principal.tenant)
 
 
 @router.get("/arrays", response_model=list[ArrayOut], tags=["arrays"])
-def list_arrays(study_id: int | None = Query(None), session: Session = Depends(get_session)) -> list[ArrayOut]:
+def list_arrays(
+    study_id: int | None = Query(None),
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+) -> list[ArrayOut]:
     """Fused arrays, optionally of one study: members, worker, progress and measured throughput."""
-    return service.list_arrays(session, study_id)
-
-
-@router.get("/tenants", response_model=list[TenantOut], tags=["tenants"])
-def list_tenants(session: Session = Depends(get_session)) -> list[TenantOut]:
-    return service.list_tenants(session)
-
-
-@router.put("/tenants/{name}", response_model=TenantOut, tags=["tenants"])
-def put_tenant(
-    body: TenantUpdate, name: str = Path(min_length=1, max_length=255), session: Session = Depends(get_session)
-) -> TenantOut:
-    """Set a tenant's weight: its share of the devices when tenants compete."""
-    return service.put_tenant(session, name, body)
+    return service.list_arrays(session, study_id, as_tenant=principal.tenant)
 
 
 @health_router.get("/healthz", response_model=Health, tags=["health"])

@@ -10,6 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from fusetune.server.db import get_engine
+from tests.server.conftest import LiveApi
 
 VALID = {"workload": "digits-mlp", "n_trials": 4, "epochs": 2}
 
@@ -33,6 +34,7 @@ def test_create_study_is_an_optuna_study(api: httpx.Client, database_url: str) -
     assert response.status_code == 201, response.text
     study = response.json()
     assert study["name"] == "mine"
+    assert study["tenant"] == "default"  # the token's tenant
     assert study["state"] == "RUNNING"
     assert study["direction"] == "maximize"  # the workload's metric is accuracy
     assert study["sampler"] == {"name": "TPESampler", "kwargs": {}}
@@ -112,24 +114,54 @@ def test_unknown_study_is_404(api: httpx.Client) -> None:
     assert api.get("/api/v1/studies/abc").status_code == 422
 
 
-def test_healthz_names_the_database(api: httpx.Client, database_url: str) -> None:
-    body = api.get("/healthz").json()
+def test_healthz_names_the_database(live: LiveApi, database_url: str) -> None:
+    body = live.client().get("/healthz").json()  # the one route that needs no token
     assert body == {"status": "ok", "database": database_url.split("+")[0].split(":")[0], "workers": 0}
 
 
-def test_tenants_are_created_with_one_share_and_reweighted(api: httpx.Client) -> None:
-    assert api.post("/api/v1/studies", json={**VALID, "tenant": "acme"}).status_code == 201
-    assert api.get("/api/v1/tenants").json() == [{"name": "acme", "weight": 1.0}]
-    response = api.put("/api/v1/tenants/acme", json={"weight": 3})
-    assert response.status_code == 200 and response.json() == {"name": "acme", "weight": 3.0}
-    assert api.put("/api/v1/tenants/beta", json={"weight": 0.5}).json() == {"name": "beta", "weight": 0.5}
-    assert [t["name"] for t in api.get("/api/v1/tenants").json()] == ["acme", "beta"]
+def test_tenants_are_created_with_one_share_and_reweighted(live: LiveApi, admin: httpx.Client) -> None:
+    created = admin.post("/api/v1/tenants", json={"name": "acme"})
+    assert created.status_code == 201, created.text
+    acme = {"name": "acme", "weight": 1.0, "max_running_studies": None, "max_trials_per_study": None}
+    assert created.json()["tenant"] == acme
+    assert admin.post("/api/v1/studies", json={**VALID, "tenant": "acme"}).json()["tenant"] == "acme"
+    default = {**acme, "name": "default"}
+    assert admin.get("/api/v1/tenants").json() == [acme, default]
+    response = admin.patch("/api/v1/tenants/acme", json={"weight": 3})
+    assert response.status_code == 200 and response.json() == {**acme, "weight": 3.0}
+    response = admin.patch("/api/v1/tenants/acme", json={"max_running_studies": 4, "max_trials_per_study": 10})
+    assert response.json() == {**acme, "weight": 3.0, "max_running_studies": 4, "max_trials_per_study": 10}
+    response = admin.patch("/api/v1/tenants/acme", json={"max_running_studies": None})  # null: no limit
+    assert response.json() == {**acme, "weight": 3.0, "max_trials_per_study": 10}
+    assert admin.patch("/api/v1/tenants/beta", json={"weight": 0.5}).status_code == 404  # only POST creates
+    assert [t["name"] for t in admin.get("/api/v1/tenants").json()] == ["acme", "default"]
+    # acme's own token sees acme only.
+    acme_client = live.client(created.json()["token"]["token"])
+    assert acme_client.get("/api/v1/tenants").json() == [{**acme, "weight": 3.0, "max_trials_per_study": 10}]
 
 
-@pytest.mark.parametrize("body", [{"weight": 0}, {"weight": -1}, {}, {"weight": "heavy"}, {"weight": 1, "x": 1}])
-def test_bad_tenant_weight_is_422_naming_the_field(api: httpx.Client, database_url: str, body: dict) -> None:
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"weight": 0}, "weight"),
+        ({"weight": -1}, "weight"),
+        ({"weight": None}, "weight"),
+        ({"weight": "heavy"}, "weight"),
+        ({"weight": 1, "x": 1}, "x"),
+        ({"max_running_studies": -1}, "max_running_studies"),
+        ({"max_trials_per_study": 0}, "max_trials_per_study"),
+    ],
+)
+def test_bad_tenant_update_is_422_naming_the_field(admin: httpx.Client, database_url: str, body: dict, field: str) -> None:
     before = row_counts(database_url)
-    response = api.put("/api/v1/tenants/acme", json=body)
+    response = admin.patch("/api/v1/tenants/default", json=body)
     assert response.status_code == 422
-    assert any(loc[:2] == ["body", "weight"] or loc[:2] == ["body", "x"] for loc in field_of(response))
+    assert ["body", field] in [loc[:2] for loc in field_of(response)]
     assert row_counts(database_url) == before
+    assert admin.get("/api/v1/tenants").json()[0]["weight"] == 1.0
+
+
+def test_an_empty_tenant_update_is_422_naming_the_fields(admin: httpx.Client) -> None:
+    response = admin.patch("/api/v1/tenants/default", json={})
+    assert response.status_code == 422
+    assert "weight" in response.text and "max_running_studies" in response.text

@@ -11,6 +11,7 @@ from ._digits import DigitsCNN, digits_datasets
 from ._registry import (
     ENTRY_POINT_GROUP,
     UnknownWorkloadError,
+    WorkloadImportsDisabled,
     available_workloads,
     get_workload,
     register_workload,
@@ -22,6 +23,7 @@ __all__ = [
     "Params",
     "UnknownWorkloadError",
     "Workload",
+    "WorkloadImportsDisabled",
     "accuracy",
     "available_workloads",
     "digits_datasets",

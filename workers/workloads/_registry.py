@@ -17,6 +17,10 @@ class UnknownWorkloadError(LookupError):
     """No workload answers to the given name."""
 
 
+class WorkloadImportsDisabled(UnknownWorkloadError):
+    """The name is a module path, and the caller does not allow importing workloads."""
+
+
 def register_workload(workload: Workload) -> Workload:
     """Make ``workload`` available under ``workload.name`` in this process."""
     _registered[workload.name] = workload
@@ -45,13 +49,18 @@ def _check(obj: object, name: str) -> Workload:
     return obj
 
 
-def get_workload(name: str) -> Workload:
+def get_workload(name: str, *, allow_imports: bool = True) -> Workload:
     """The workload called ``name``.
 
     Looked up among built-ins and registered workloads, then the ``fusetune.workloads``
-    entry-point group, then as a ``package.module:attr`` import path.
+    entry-point group, then as a ``package.module:attr`` import path (only with
+    ``allow_imports``: importing runs the module's code). The server accepts import paths
+    only when its operator enables them (``FUSETUNE_ALLOW_WORKLOAD_IMPORTS``); workers resolve
+    whatever the server accepted.
 
     Raises:
+        WorkloadImportsDisabled: ``name`` is an import path and ``allow_imports`` is off; nothing
+            was imported.
         UnknownWorkloadError: nothing by that name exists.
     """
     if name in _registered:
@@ -60,6 +69,12 @@ def get_workload(name: str) -> Workload:
     if found is not None:
         return found
     if ":" in name:
+        if not allow_imports:
+            raise WorkloadImportsDisabled(
+                f"workload {name!r} is a module path, and importing workloads is disabled on this server "
+                "(its operator enables it with FUSETUNE_ALLOW_WORKLOAD_IMPORTS=1); "
+                f"known workloads: {', '.join(available_workloads())}"
+            )
         return _from_path(name)
     known = ", ".join(sorted(available_workloads()))
     raise UnknownWorkloadError(f"unknown workload {name!r}; known workloads: {known}")

@@ -1,0 +1,71 @@
+"""What routes depend on: the request's database session, and who the request acts for.
+
+Every route under ``/api/v1`` authenticates (the routers carry :func:`authenticate` as a
+dependency, so a new route does too); ``/healthz`` does not. The rules:
+
+* no token, an unknown one or a revoked one: 401 with ``WWW-Authenticate: Bearer``;
+* the admin (``FUSETUNE_ADMIN_TOKEN``) may do everything;
+* admin routes (creating tenants, changing weights and quotas) are not a tenant's
+  resources: a tenant's token gets 403 there, whatever it names;
+* a tenant's resources (its studies, trials, arrays, tokens): another tenant's answer 404,
+  exactly as a missing one does, so ids leak nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from fusetune.server.auth import Principal, principal_for
+from fusetune.server.settings import Settings
+
+bearer = HTTPBearer(
+    auto_error=False,
+    description="A tenant's token (`fusetune tenants create`), or the admin's (`FUSETUNE_ADMIN_TOKEN`).",
+)
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.sessions() as session:
+        yield session
+
+
+def get_url(request: Request) -> str:
+    return request.app.state.settings.database_url
+
+
+def get_app_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def authenticate(
+    request: Request,
+    credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+    session: Session = Depends(get_session),
+) -> Principal:
+    """The principal of the request's bearer token; 401 without a valid one."""
+    if credentials is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "this route needs a bearer token: 'Authorization: Bearer <token>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    admin = request.app.state.settings.admin_token
+    principal = principal_for(session, credentials.credentials, admin.get_secret_value() if admin else None)
+    if principal is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "the bearer token is not valid (unknown or revoked)",
+            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+        )
+    return principal
+
+
+def require_admin(principal: Principal = Depends(authenticate)) -> Principal:
+    """The admin only: 403 for a tenant's token (admin routes are no tenant's resources)."""
+    if not principal.is_admin:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "only the admin (FUSETUNE_ADMIN_TOKEN) may do this")
+    return principal

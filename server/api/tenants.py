@@ -1,0 +1,67 @@
+"""REST routes of tenants and their tokens, ``/api/v1``.
+
+Creating a tenant and changing its weight or quotas are admin routes (403 for a tenant's
+token). A tenant's tokens are its own and the admin's: another tenant's answer 404.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Path, status
+from sqlalchemy.orm import Session
+
+from fusetune.server import tenants
+from fusetune.server.api.deps import authenticate, get_session, require_admin
+from fusetune.server.auth import Principal
+from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreate, TokenCreated, TokenOut
+
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+
+TenantName = Path(min_length=1, max_length=255)
+
+
+@router.get("/tenants", response_model=list[TenantOut], tags=["tenants"])
+def list_tenants(principal: Principal = Depends(authenticate), session: Session = Depends(get_session)) -> list[TenantOut]:
+    """Every tenant for the admin; a tenant's token lists its own tenant only."""
+    return tenants.list_tenants(session, as_tenant=principal.tenant)
+
+
+@router.post(
+    "/tenants", status_code=status.HTTP_201_CREATED, response_model=TenantCreated, tags=["tenants"],
+    dependencies=[Depends(require_admin)],
+)
+def create_tenant(body: TenantCreate, session: Session = Depends(get_session)) -> TenantCreated:
+    """Create a tenant (admin only). The answer holds its first token, shown this once."""
+    return tenants.create_tenant(session, body)
+
+
+@router.patch("/tenants/{name}", response_model=TenantOut, tags=["tenants"], dependencies=[Depends(require_admin)])
+def update_tenant(body: TenantUpdate, name: str = TenantName, session: Session = Depends(get_session)) -> TenantOut:
+    """Change a tenant's weight (its share of the devices when tenants compete) or quotas (admin only)."""
+    return tenants.update_tenant(session, name, body)
+
+
+@router.get("/tenants/{name}/tokens", response_model=list[TokenOut], tags=["tenants"])
+def list_tokens(
+    name: str = TenantName, principal: Principal = Depends(authenticate), session: Session = Depends(get_session)
+) -> list[TokenOut]:
+    """A tenant's tokens (their ids, labels and dates; never the tokens)."""
+    return tenants.list_tokens(session, name, as_tenant=principal.tenant)
+
+
+@router.post("/tenants/{name}/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenCreated, tags=["tenants"])
+def create_token(
+    body: TokenCreate | None = None,
+    name: str = TenantName,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+) -> TokenCreated:
+    """Another token for the tenant, shown this once (the admin, or the tenant for itself)."""
+    return tenants.create_token(session, name, body.label if body else None, as_tenant=principal.tenant)
+
+
+@router.delete("/tokens/{token_id}", response_model=TokenOut, tags=["tenants"])
+def revoke_token(
+    token_id: int, principal: Principal = Depends(authenticate), session: Session = Depends(get_session)
+) -> TokenOut:
+    """Revoke a token (the admin, or the tenant for its own); it authenticates nothing after."""
+    return tenants.revoke_token(session, token_id, as_tenant=principal.tenant)

@@ -1,0 +1,257 @@
+"""Every route of the app × every kind of caller: the status each gets.
+
+The table ``RULES`` is keyed by (method, path) and must name exactly the app's routes: a new
+route without a rule here fails ``test_every_route_has_a_rule``. Callers:
+
+* ``owner``: a token of the tenant that owns the resources the request names;
+* ``other``: a token of another tenant (its requests name the owner's resources);
+* ``admin``: the ``FUSETUNE_ADMIN_TOKEN``;
+* ``none``, ``bad``, ``revoked``: no token, a made-up one, a revoked token of the owner.
+
+The rules: no valid token is 401 everywhere but ``/healthz``; admin routes are 403 for any
+tenant; another tenant's resources are 404, never 403.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import optuna
+import pytest
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+
+from fusetune.server.db import Array, ArrayMember, Study, Trial, get_optuna_storage, get_sessionmaker
+from tests.server.conftest import LiveApi
+
+ACTORS = ("owner", "other", "admin", "none", "bad", "revoked")
+UNAUTHENTICATED = {"none": 401, "bad": 401, "revoked": 401}
+STUDY = {"workload": "digits-mlp", "n_trials": 2, "epochs": 1}
+
+
+@dataclass
+class World:
+    """The owner's study (with one trial in one array), both tenants' tokens, the admin's."""
+
+    live: LiveApi
+    tokens: dict[str, str | None]
+    study_id: int
+    trial_id: int
+    array_id: int
+    serial: int = 0
+    spare_tokens: dict[str, int] = field(default_factory=dict)
+
+    def unique(self, stem: str) -> str:
+        self.serial += 1
+        return f"{stem}-{self.serial}"
+
+    def fresh_owner_token(self) -> tuple[int, str]:
+        response = self.live.client(self.live.admin_token).post("/api/v1/tenants/owner/tokens", json={})
+        assert response.status_code == 201
+        return response.json()["id"], response.json()["token"]
+
+
+@dataclass
+class Rule:
+    """How one route is called, and what each caller gets."""
+
+    call: Callable[[World, str], tuple[str, dict[str, Any]]]  # -> (path with ids, httpx kwargs)
+    expect: dict[str, int]
+    #: Further checks on the answer (called for every caller, whatever the status).
+    check: Callable[[World, str, httpx.Response], None] | None = None
+
+
+def ids(world: World) -> dict[str, Any]:
+    return {"study_id": world.study_id, "trial_id": world.trial_id, "name": "owner", "key": "note"}
+
+
+def path(template: str) -> Callable[[World, str], tuple[str, dict[str, Any]]]:
+    return lambda world, actor: (template.format(**ids(world)), {})
+
+
+def sees(listing: str) -> Callable[[World, str, httpx.Response], None]:
+    """A listing shows the owner's resource to the owner and the admin, never to the other tenant."""
+
+    def check(world: World, actor: str, response: httpx.Response) -> None:
+        if response.status_code != 200:
+            return
+        own = {"studies": world.study_id, "arrays": world.array_id}[listing]
+        found = own in [item["id"] for item in response.json()]
+        assert found == (actor in ("owner", "admin")), (listing, actor, response.json())
+
+    return check
+
+
+def tenants_seen(world: World, actor: str, response: httpx.Response) -> None:
+    if response.status_code != 200:
+        return
+    names = [t["name"] for t in response.json()]
+    assert names == {"owner": ["owner"], "other": ["other"], "admin": ["default", "other", "owner"]}[actor]
+
+
+def create_study(world: World, actor: str) -> tuple[str, dict[str, Any]]:
+    return "/api/v1/studies", {"json": {**STUDY, "tenant": "owner", "name": world.unique(actor)}}
+
+
+def create_tenant(world: World, actor: str) -> tuple[str, dict[str, Any]]:
+    return "/api/v1/tenants", {"json": {"name": world.unique(f"by-{actor}"), "weight": 2}}
+
+
+def revoke(world: World, actor: str) -> tuple[str, dict[str, Any]]:
+    token_id, token = world.fresh_owner_token()
+    world.spare_tokens[token] = token_id
+    return f"/api/v1/tokens/{token_id}", {}
+
+
+def revoked_only_when_allowed(world: World, actor: str, response: httpx.Response) -> None:
+    """The token the request named is revoked if the answer says so, and works on otherwise."""
+    token = next(t for t, i in world.spare_tokens.items() if response.request.url.path.endswith(f"/{i}"))
+    status = world.live.client(token).get("/api/v1/studies").status_code
+    assert status == (401 if response.status_code == 200 else 200), (actor, response.status_code)
+
+
+def reweigh(world: World, actor: str) -> tuple[str, dict[str, Any]]:
+    return "/api/v1/tenants/owner", {"json": {"weight": 2}}
+
+
+def trials_seen(world: World, actor: str, response: httpx.Response) -> None:
+    if response.status_code == 200:
+        assert [t["id"] for t in response.json()] == [world.trial_id]
+
+
+#: (method, path) -> rule. Every route of the app, no more and no fewer.
+RULES: dict[tuple[str, str], Rule] = {
+    ("GET", "/healthz"): Rule(path("/healthz"), {actor: 200 for actor in ACTORS}),
+    ("POST", "/api/v1/studies"): Rule(create_study, {"owner": 201, "other": 422, "admin": 201, **UNAUTHENTICATED}),
+    ("GET", "/api/v1/studies"): Rule(
+        lambda w, a: ("/api/v1/studies", {"params": {"tenant": "owner"}}),
+        {"owner": 200, "other": 200, "admin": 200, **UNAUTHENTICATED},
+        sees("studies"),
+    ),
+    ("GET", "/api/v1/studies/{study_id}"): Rule(
+        path("/api/v1/studies/{study_id}"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}
+    ),
+    ("GET", "/api/v1/studies/{study_id}/trials"): Rule(
+        path("/api/v1/studies/{study_id}/trials"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED},
+        trials_seen,
+    ),
+    ("GET", "/api/v1/arrays"): Rule(
+        lambda w, a: ("/api/v1/arrays", {}), {"owner": 200, "other": 200, "admin": 200, **UNAUTHENTICATED}, sees("arrays")
+    ),
+    ("GET", "/api/v1/tenants"): Rule(
+        path("/api/v1/tenants"), {"owner": 200, "other": 200, "admin": 200, **UNAUTHENTICATED}, tenants_seen
+    ),
+    ("POST", "/api/v1/tenants"): Rule(create_tenant, {"owner": 403, "other": 403, "admin": 201, **UNAUTHENTICATED}),
+    ("PATCH", "/api/v1/tenants/{name}"): Rule(reweigh, {"owner": 403, "other": 403, "admin": 200, **UNAUTHENTICATED}),
+    ("GET", "/api/v1/tenants/{name}/tokens"): Rule(
+        path("/api/v1/tenants/{name}/tokens"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}
+    ),
+    ("POST", "/api/v1/tenants/{name}/tokens"): Rule(
+        lambda w, a: ("/api/v1/tenants/owner/tokens", {"json": {"label": a}}),
+        {"owner": 201, "other": 404, "admin": 201, **UNAUTHENTICATED},
+    ),
+    ("DELETE", "/api/v1/tokens/{token_id}"): Rule(
+        revoke, {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}, revoked_only_when_allowed
+    ),
+}
+
+
+def app_routes(app: FastAPI) -> set[tuple[str, str]]:
+    """(method, path) of every APIRoute the app serves, routers included."""
+    try:  # FastAPI >= 0.16x keeps included routers nested in app.routes
+        from fastapi.routing import iter_route_contexts
+
+        contexts = list(iter_route_contexts(app.routes))
+        routes = [(c.original_route, c.path, c.methods) for c in contexts]
+    except ImportError:
+        routes = [(r, r.path, getattr(r, "methods", None)) for r in app.routes]
+    return {(method, p) for route, p, methods in routes if isinstance(route, APIRoute) for method in methods}
+
+
+@pytest.fixture
+def world(live: LiveApi, database_url: str) -> World:
+    _, owner = live.create_tenant("owner")
+    _, other = live.create_tenant("other")
+    response = live.client(live.admin_token).post("/api/v1/tenants/owner/tokens", json={"label": "revoked"})
+    revoked_id, revoked = response.json()["id"], response.json()["token"]
+    assert live.client(owner).delete(f"/api/v1/tokens/{revoked_id}").status_code == 200
+    study = live.client(owner).post("/api/v1/studies", json={**STUDY, "name": "owned"})
+    assert study.status_code == 201, study.text
+    study_id = study.json()["id"]
+    # One trial in one array, written as the coordinator would (the API alone runs no loop).
+    sessions = get_sessionmaker(database_url)
+    with sessions() as session:
+        optuna_study = session.get(Study, study_id)
+        storage = get_optuna_storage(database_url)
+        optuna_trial_id = storage.create_new_trial(optuna_study.optuna_study_id)
+        storage.set_trial_param(optuna_trial_id, "lr", 0.1, optuna.distributions.FloatDistribution(0.01, 1.0))
+        trial = Trial(study_id=study_id, optuna_trial_id=optuna_trial_id, number=0, params={"lr": 0.1}, signature="s" * 64)
+        session.add(trial)
+        session.flush()
+        array = Array(study_id=study_id, signature="s" * 64, members=[ArrayMember(slot=0, trial_id=trial.id)])
+        session.add(array)
+        session.commit()
+        trial_id, array_id = trial.id, array.id
+    tokens = {
+        "owner": owner,
+        "other": other,
+        "admin": live.admin_token,
+        "none": None,
+        "bad": "ft_" + secrets.token_urlsafe(32),
+        "revoked": revoked,
+    }
+    return World(live=live, tokens=tokens, study_id=study_id, trial_id=trial_id, array_id=array_id)
+
+
+def test_every_route_has_a_rule(live: LiveApi) -> None:
+    routes = app_routes(live.app)
+    assert {("GET", "/healthz"), ("POST", "/api/v1/tenants")} <= routes  # the table was read
+    missing = sorted(routes - set(RULES))
+    assert not missing, f"routes without an isolation rule in {__name__}.RULES: {missing}"
+    assert sorted(set(RULES) - routes) == [], "rules for routes the app no longer has"
+
+
+def test_isolation_matrix(world: World) -> None:
+    assert set(RULES) == app_routes(world.live.app)
+    got: dict[tuple[str, str, str], int] = {}
+    failures = []
+    for (method, template), rule in RULES.items():
+        assert set(rule.expect) == set(ACTORS), (method, template)
+        for actor in ACTORS:
+            url, kwargs = rule.call(world, actor)
+            response = world.live.client(world.tokens[actor]).request(method, url, **kwargs)
+            got[(method, template, actor)] = response.status_code
+            if response.status_code != rule.expect[actor]:
+                failures.append(f"{method} {template} as {actor}: {response.status_code}, expected "
+                                f"{rule.expect[actor]}: {response.text[:200]}")
+                continue
+            if response.status_code == 401:
+                assert response.headers["www-authenticate"].startswith("Bearer"), (method, template, actor)
+            if rule.check is not None:
+                rule.check(world, actor, response)
+    assert not failures, "\n".join(failures)
+    assert len(got) == len(RULES) * len(ACTORS)
+
+
+def test_another_tenants_ids_read_as_missing_ones(world: World) -> None:
+    """A 404 for another tenant's resource is the 404 of a resource that does not exist."""
+    other = world.live.client(world.tokens["other"])
+    missing = 10**9
+    for template, real in [
+        ("/api/v1/studies/{}", world.study_id),
+        ("/api/v1/studies/{}/trials", world.study_id),
+    ]:
+        foreign = other.get(template.format(real))
+        absent = other.get(template.format(missing))
+        assert foreign.status_code == absent.status_code == 404
+        assert foreign.json() == {"detail": absent.json()["detail"].replace(str(missing), str(real))}
+    foreign = other.get("/api/v1/arrays", params={"study_id": world.study_id})
+    absent = other.get("/api/v1/arrays", params={"study_id": missing})
+    assert foreign.json() == {"detail": absent.json()["detail"].replace(str(missing), str(world.study_id))}
+    foreign = other.get("/api/v1/tenants/owner/tokens")
+    absent = other.get("/api/v1/tenants/nobody/tokens")
+    assert foreign.json() == {"detail": absent.json()["detail"].replace("nobody", "owner")}
