@@ -49,6 +49,7 @@ import math
 import os
 import pathlib
 import platform
+import secrets
 import signal
 import socket
 import statistics
@@ -234,7 +235,10 @@ class FusetuneServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # The benchmark acts as the service's admin (its studies go to the `default` tenant).
+        admin_token = secrets.token_urlsafe(32)
         env.update(
+            FUSETUNE_ADMIN_TOKEN=admin_token,
             FUSETUNE_DATABASE_URL=database_url,
             FUSETUNE_HOST="127.0.0.1",
             FUSETUNE_PORT=str(self.port),
@@ -249,7 +253,9 @@ class FusetuneServer:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        self.client = httpx.Client(base_url=self.url, timeout=60.0)
+        self.client = httpx.Client(
+            base_url=self.url, timeout=60.0, headers={"Authorization": f"Bearer {admin_token}"}
+        )
 
     def log_tail(self, lines: int = 40) -> str:
         """The end of the server's log without uvicorn's access lines (the 20 ms polls drown the rest)."""
