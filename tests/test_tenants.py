@@ -15,11 +15,12 @@ import optuna
 import pytest
 from sqlalchemy import select
 
-from fusetune.server import service, tenants
+from fusetune.server import service
 from fusetune.server.coordinator import Coordinator
 from fusetune.server.db import Throughput, Array, Study, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate, TenantCreate
 from fusetune.server.settings import Settings
+from fusetune.server.tenants import create_tenant
 from fusetune.workers.pool import WorkerPool
 
 pytestmark = pytest.mark.slow
@@ -34,8 +35,8 @@ def test_devices_are_shared_by_weight(ray_cluster: str, tmp_path: Path) -> None:
     get_optuna_storage(url)
     sessions = get_sessionmaker(url)
     with sessions() as session:
-        tenants.create_tenant(session, TenantCreate(name="big", weight=3))
-        tenants.create_tenant(session, TenantCreate(name="small", weight=1))
+        create_tenant(session, TenantCreate(name="big", weight=3))
+        create_tenant(session, TenantCreate(name="small", weight=1))
         for tenant in ("big", "small"):
             service.create_study(
                 session, url,
@@ -91,7 +92,7 @@ def test_a_tenant_arriving_later_preempts_at_an_epoch_boundary_and_the_preempted
     epochs = 150
     with sessions() as session:
         for tenant in ("early", "late"):
-            tenants.create_tenant(session, TenantCreate(name=tenant))
+            create_tenant(session, TenantCreate(name=tenant))
         service.create_study(session, url, StudyCreate(workload="digits-mlp", n_trials=2, epochs=epochs, tenant="early",
                                                        name="early", search_space=ONE_SHAPE))
     pool = WorkerPool(cpu_workers=1, name_prefix="preempt")
