@@ -11,6 +11,15 @@ import httpx
 FINISHED = {"COMPLETE", "PRUNED", "FAIL"}
 
 
+#: The service a client talks to when no ``url`` is given and ``FUSETUNE_URL`` is unset.
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def service_url(url: str | None = None) -> str:
+    """``url``, else ``FUSETUNE_URL``, else :data:`DEFAULT_URL`."""
+    return url or os.environ.get("FUSETUNE_URL", DEFAULT_URL)
+
+
 class FusetuneError(RuntimeError):
     """The service answered with an error; ``status_code`` and ``detail`` say which."""
 
@@ -23,11 +32,12 @@ class FusetuneError(RuntimeError):
 class Client:
     """Talks to one fusetune service, e.g. ``Client("http://127.0.0.1:8000", token=...)``.
 
-    ``token`` is a tenant's (or the admin's) bearer token; ``FUSETUNE_TOKEN`` when omitted.
+    ``url`` is ``FUSETUNE_URL`` when omitted; ``token`` is a tenant's (or the admin's) bearer
+    token, ``FUSETUNE_TOKEN`` when omitted.
     """
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, timeout: float = 30.0) -> None:
-        self.url = url.rstrip("/")
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
+        self.url = service_url(url).rstrip("/")
         token = token if token is not None else os.environ.get("FUSETUNE_TOKEN")
         self.token = token
         headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -100,6 +100,12 @@ class StudyCreate(BaseModel):
     sampler: SamplerSpec = Field(default_factory=lambda: SamplerSpec(name="TPESampler"))
     pruner: PrunerSpec | None = None
     max_array_size: int | None = Field(None, gt=0, le=4096)
+    fusion_sampler: bool = Field(
+        True,
+        description="Wrap the sampler in fusetune.client.FusionSampler: the parameters that change "
+        "a trial's shapes are sampled once per group of up to max_array_size trials, so the trials "
+        "asked together fuse into few arrays. false: the sampler alone.",
+    )
 
     @field_validator("workload")
     @classmethod
@@ -151,6 +157,15 @@ class StudyOut(BaseModel):
     completed_at: datetime | None
     trial_counts: dict[str, int] = Field(default_factory=dict)
     best_trial: BestTrial | None = None
+    fusion_sampler: bool = True
+
+    @model_validator(mode="after")
+    def _fusion_flag_of_the_sampler_spec(self) -> StudyOut:
+        # Stored in the sampler spec ({"fusion": false} only when opted out), shown on its own.
+        if "fusion" in self.sampler:
+            self.fusion_sampler = bool(self.sampler["fusion"])
+            self.sampler = {k: v for k, v in self.sampler.items() if k != "fusion"}
+        return self
 
 
 class TrialOut(BaseModel):

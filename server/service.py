@@ -116,7 +116,8 @@ def create_study(
         epochs=request.epochs,
         direction=direction,
         search_space=request.search_space,
-        sampler=request.sampler.model_dump(),
+        # The FusionSampler opt-out rides in the sampler spec, so no column: absent means on.
+        sampler={**request.sampler.model_dump(), **({} if request.fusion_sampler else {"fusion": False})},
         pruner=request.pruner.model_dump() if request.pruner else None,
         max_array_size=request.max_array_size,
         optuna_study_id=optuna_study._study_id,
