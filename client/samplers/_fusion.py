@@ -7,8 +7,10 @@ arrays. FusionSampler keeps those *non-fusible* parameters equal within a *group
 ``group_size`` trials asked while earlier members of the group still run, and lets the
 wrapped sampler draw every other (*fusible*) parameter per trial.
 
-Group membership lives in each trial's system attrs (:data:`ATTR`), never in this object,
-so the groups are the same whichever thread, process or pickled copy of the sampler asks:
+Group membership lives in each trial's system attrs (:data:`ATTR`), never in this object
+(it only memoizes what finished trials say, which never changes, so that asking stays cheap
+as a study grows), so the groups are the same whichever thread, process or pickled copy of
+the sampler asks:
 ``study.optimize(n_jobs=...)``, ask-and-tell and several processes on one storage all see
 them. A lock makes each decision atomic between the threads of one process; between
 processes every write is followed by a read that undoes a clash (see :meth:`_settle`), so a
@@ -18,6 +20,7 @@ race at worst splits a group in two and never mixes values or overfills one.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -88,29 +91,55 @@ class _Member:
     values: dict[str, Any] = field(default_factory=dict)  # non-fusible name -> value
 
 
-class _View:
-    """Every group of a study as the storage holds it at one moment."""
+def _member_of(trial: FrozenTrial, non_fusible: frozenset[str]) -> _Member | None:
+    """The trial's own record of its group, or None (no FusionSampler placed it)."""
+    group = fusion_group(trial)
+    if group is None:
+        return None
+    record = trial.system_attrs[ATTR]
+    return _Member(
+        trial_id=trial._trial_id,
+        number=trial.number,
+        live=trial.state in _LIVE,
+        group=group,
+        refounds=int(record.get("refounds", 0)),
+        values=_intended(trial, non_fusible, record),
+    )
 
-    def __init__(self, trials: Sequence[FrozenTrial], non_fusible: frozenset[str]) -> None:
+
+@dataclass
+class _Finished:
+    """The groups of a study's finished trials, read once: a finished trial never changes.
+
+    ``upto`` trials, numbered 0 to ``upto - 1``, are all finished and read into ``groups``,
+    so a view reads only the trials from the oldest unfinished one on. It is a memo of what
+    the storage holds, not a second record: dropping it (a pickled copy has none) costs one
+    full read.
+    """
+
+    first_trial_id: int
+    upto: int = 0
+    groups: dict[str, list[_Member]] = field(default_factory=dict)
+
+
+class _View:
+    """The groups of a study that may still take or decide anything, as the storage holds them.
+
+    A group none of whose members runs is closed; only groups with a member among ``recent``
+    (the trials from the oldest unfinished one on) are kept, with their finished members
+    from ``finished``.
+    """
+
+    def __init__(self, recent: Sequence[FrozenTrial], finished: _Finished, non_fusible: frozenset[str]) -> None:
         self.members: dict[int, _Member] = {}  # trial id -> member
         self.groups: dict[str, list[_Member]] = {}  # group id -> members, by trial number
-        for trial in trials:
-            record = trial.system_attrs.get(ATTR)
-            group = fusion_group(trial)
-            if group is None:
-                continue
-            assert isinstance(record, dict)  # fusion_group read it
-            member = _Member(
-                trial_id=trial._trial_id,
-                number=trial.number,
-                live=trial.state in _LIVE,
-                group=group,
-                refounds=int(record.get("refounds", 0)),
-                values=_intended(trial, non_fusible, record),
-            )
-            self.members[member.trial_id] = member
-            self.groups.setdefault(member.group, []).append(member)
-        for members in self.groups.values():
+        for trial in recent:
+            member = _member_of(trial, non_fusible)
+            if member is not None:
+                self.members[member.trial_id] = member
+                self.groups.setdefault(member.group, []).append(member)
+        for group, members in self.groups.items():
+            members.extend(finished.groups.get(group, ()))
             members.sort(key=lambda m: m.number)
 
     def values_of(self, group: str, besides: int) -> dict[str, Any]:
@@ -195,6 +224,8 @@ class FusionSampler(BaseSampler):
         self._non_fusible = names
         self._group_size = group_size
         self._lock = threading.RLock()
+        # What finished trials say, per storage and study (see _Finished); never pickled.
+        self._finished: weakref.WeakKeyDictionary[Any, dict[int, _Finished]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def for_workload(
@@ -239,15 +270,16 @@ class FusionSampler(BaseSampler):
             f"group_size={self._group_size})"
         )
 
-    # -- pickling: the lock stays behind, each copy makes its own ----------------------------
+    # -- pickling: the lock and the memo stay behind, each copy makes its own ---------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"]
+        del state["_lock"], state["_finished"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._finished = weakref.WeakKeyDictionary()
 
     # -- BaseSampler --------------------------------------------------------------------------
     def reseed_rng(self) -> None:
@@ -327,7 +359,30 @@ class FusionSampler(BaseSampler):
     def _view(self, study: Study) -> _View:
         # The storage, not ``study.get_trials``: a pruner's filtered study (Hyperband's
         # brackets) would hide members of the trial's group.
-        return _View(study._storage.get_all_trials(study._study_id, deepcopy=False), self._non_fusible)
+        storage = study._storage
+        trials = storage.get_all_trials(study._study_id, deepcopy=False)  # by number, from 0
+        if not trials:
+            return _View((), _Finished(-1), self._non_fusible)
+        try:
+            studies = self._finished.setdefault(storage, {})
+        except TypeError:  # a storage that cannot be weakly referenced: read everything each time
+            studies = {}
+        finished = studies.get(study._study_id)
+        if (
+            finished is None
+            or finished.first_trial_id != trials[0]._trial_id  # another study under a reused id
+            or finished.upto > len(trials)
+            or (finished.upto > 0 and trials[finished.upto - 1].number != finished.upto - 1)
+        ):
+            finished = studies[study._study_id] = _Finished(trials[0]._trial_id)
+        i = finished.upto
+        while i < len(trials) and trials[i].state.is_finished() and trials[i].number == i:
+            member = _member_of(trials[i], self._non_fusible)
+            if member is not None:
+                finished.groups.setdefault(member.group, []).append(member)
+            i += 1
+        finished.upto = i
+        return _View(trials[i:], finished, self._non_fusible)
 
     def _member(self, study: Study, trial_id: int) -> tuple[_Member, _View]:
         """The trial's record and the view it was read in; a trial no FusionSampler placed

@@ -21,7 +21,6 @@ from typing import Any
 
 import optuna
 import pytest
-from optuna.distributions import CategoricalDistribution
 from optuna.storages import InMemoryStorage
 from optuna.trial import FrozenTrial, TrialState
 
@@ -204,6 +203,23 @@ def test_a_trial_joins_the_oldest_open_group_that_agrees() -> None:
     # joins "1"; 4 fills "0", so 5 goes to "1".
     assert groups == {"0": [0, 2, 4], "1": [1, 3, 5]}
     assert [t.params["hidden"] for t in study.trials] == [16, 32, 16, 32, 16, 32]
+
+
+def test_finished_members_still_count_and_still_decide() -> None:
+    """A group stays open while any member runs; its finished members count and hold its values."""
+    sampler = FusionSampler(optuna.samplers.RandomSampler(seed=0), non_fusible=NON_FUSIBLE, group_size=3)
+    study = optuna.create_study(sampler=sampler)
+    other = optuna.create_study(sampler=sampler)  # the same sampler on a second study meanwhile
+    first, second = study.ask(), study.ask()
+    values = space(first)
+    space(second)
+    study.tell(first, 1.0)
+    space(other.ask())
+    third = study.ask()  # joins "0": trial 1 still runs
+    assert (space(third)["hidden"], third.params["batch_size"]) == (values["hidden"], values["batch_size"])
+    space(study.ask())  # "0" has three members, one finished: full
+    assert assert_groups(study, NON_FUSIBLE, 3) == {"0": [0, 1, 2], "3": [3]}
+    assert assert_groups(other, NON_FUSIBLE, 3) == {"0": [0]}
 
 
 def test_optimize_with_four_threads() -> None:
