@@ -409,6 +409,7 @@ def raytune_trial(config: dict[str, Any], workload_name: str, epochs: int, seed:
     import torch
     from ray import tune
 
+    from fusetune.workers.optimization import resolve
     from fusetune.workers.workloads import get_workload
 
     torch.set_num_threads(1)
@@ -422,11 +423,8 @@ def raytune_trial(config: dict[str, Any], workload_name: str, epochs: int, seed:
     x, y = train.tensors
     x_val, y_val = val.tensors
     model = workload.build_model(params)
-    names = {"sgd": ("lr", "momentum", "weight_decay"), "adam": ("lr", "weight_decay")}[workload.optimizer]
-    hparams = {n: params.get(n, workload.optimizer_defaults.get(n)) for n in names}
-    hparams = {n: v for n, v in hparams.items() if v is not None}  # torch's default for the rest
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[workload.optimizer]
-    optimizer = cls(model.parameters(), **hparams)
+    # The optimizer a fusetune member of these params trains with, as plain torch builds it.
+    optimizer = resolve(workload, None, params).torch_optimizer(model.parameters())
     batch_size = workload.batch_size_for(params)
     for _ in range(epochs):
         model.train()

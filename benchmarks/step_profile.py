@@ -7,8 +7,8 @@ The step is the hot loop of ``workers.training.train_array``::
     optimizer.zero_grad(set_to_none=True); losses.sum().backward(); optimizer.step()
 
 with models from ``workers.workloads.get_workload(...).build_model(params)`` and the
-optimizer of ``workers.training.make_optimizer`` (fusion.optim.SGD with per-member
-lr/momentum/weight_decay for digits-mlp, fusion.optim.Adam for digits-cnn). The baseline
+optimizer the worker trains them with (``workers.optimization``: fusion.optim.SGD with
+per-member lr/momentum/weight_decay for digits-mlp, fusion.optim.Adam for digits-cnn). The baseline
 is the same B models trained one after another as ordinary torch models with
 ``torch.optim`` (torch's defaults), on the same batches.
 
@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fusion  # noqa: E402
-from fusetune.workers.training import OPTIMIZER_HPARAMS, optimizer_kwargs  # noqa: E402
+from fusetune.workers.optimization import optimizer_kwargs, optimizer_name, resolve  # noqa: E402
 from fusetune.workers.workloads import get_workload  # noqa: E402
 
 #: Benchmark name -> (workload, build params shared by all members).
@@ -75,12 +75,7 @@ def member_params(workload_name: str, shape: dict[str, Any], b: int) -> list[dic
 
 
 def torch_optimizer(workload_name: str, model: torch.nn.Module, p: dict[str, Any]) -> torch.optim.Optimizer:
-    wl = get_workload(workload_name)
-    hp = {k: p.get(k, wl.optimizer_defaults.get(k, d)) for k, d in OPTIMIZER_HPARAMS[wl.optimizer].items()}
-    if wl.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), **hp)
-    betas = (hp.pop("beta1"), hp.pop("beta2"))
-    return torch.optim.Adam(model.parameters(), betas=betas, **hp)
+    return resolve(get_workload(workload_name), None, p).torch_optimizer(model.parameters())
 
 
 def load_baseline(path: str) -> Any:
@@ -103,7 +98,7 @@ class Fused:
     def __init__(self, fz: Any, models: list[torch.nn.Module], workload: Any, params: list[dict[str, Any]]) -> None:
         self.fz, self.workload, self.b = fz, workload, len(models)
         self.model = fz.fuse(models)
-        cls = {"sgd": fz.optim.SGD, "adam": fz.optim.Adam}[workload.optimizer]
+        cls = getattr(fz.optim, optimizer_name(workload.optimizer))
         self.optimizer = cls(self.model.parameters(), **optimizer_kwargs(workload, params))
         self.model.train()
 

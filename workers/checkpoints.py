@@ -2,7 +2,8 @@
 
 Every ``checkpoint_frequency`` epochs a worker saves each member that trains on: its weights
 (a plain state_dict of the workload's model), its optimizer state (``member_state_dict`` of
-the fused optimizer) and how many epochs it has done. When its worker dies, the coordinator
+the fused optimizer), its LR schedules' states (when it has any) and how many epochs it has
+done. When its worker dies, the coordinator
 re-queues the trials that have one, and whichever array they join next resumes them at that
 epoch boundary instead of from scratch: at most the epochs since the last checkpoint are
 trained again. A member that ends (complete, pruned, failed) has its checkpoint removed.
@@ -28,11 +29,24 @@ def checkpoint_path(artifact_dir: str | os.PathLike[str], study_name: str, trial
     return Path(artifact_dir, study_name, "checkpoints", f"trial-{trial_number}.pt")
 
 
-def save_checkpoint(path: Path, epochs_done: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
-    """Write atomically: a crash mid-write leaves the previous checkpoint, never half of one."""
+def save_checkpoint(
+    path: Path,
+    epochs_done: int,
+    model: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+    schedules: dict[str, Any] | None = None,
+) -> None:
+    """Write atomically: a crash mid-write leaves the previous checkpoint, never half of one.
+
+    ``schedules``: the member's LR schedulers' ``state_dict``s by role (``"warmup"``,
+    ``"lr_scheduler"``), saved under ``"schedules"`` when given.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"epochs_done": epochs_done, "model": model, "optimizer": optimizer}, tmp)
+    checkpoint: dict[str, Any] = {"epochs_done": epochs_done, "model": model, "optimizer": optimizer}
+    if schedules:
+        checkpoint["schedules"] = schedules
+    torch.save(checkpoint, tmp)
     os.replace(tmp, path)
 
 
@@ -59,9 +73,16 @@ class CheckpointWriter:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusetune-checkpoints")
         self._pending: list[Future[None]] = []
 
-    def save(self, path: Path, epochs_done: int, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
-        model, optimizer = _cpu_copy(model), _cpu_copy(optimizer)
-        self._submit(save_checkpoint, path, epochs_done, model, optimizer)
+    def save(
+        self,
+        path: Path,
+        epochs_done: int,
+        model: dict[str, torch.Tensor],
+        optimizer: dict[str, Any],
+        schedules: dict[str, Any] | None = None,
+    ) -> None:
+        model, optimizer, schedules = _cpu_copy(model), _cpu_copy(optimizer), _cpu_copy(schedules)
+        self._submit(save_checkpoint, path, epochs_done, model, optimizer, schedules)
 
     def remove(self, path: Path) -> None:
         self._submit(remove_checkpoint, path)

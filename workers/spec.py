@@ -23,6 +23,53 @@ class MemberSpec:
 
 
 @dataclass(frozen=True)
+class TrainingSpec:
+    """A study's training settings, as its request chose them; None or empty: the workload's.
+
+    A trial's own params override them (``workers/optimization.py``).
+    """
+
+    optimizer: str | None = None  # a torch.optim class name, e.g. "AdamW"
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)  # its constructor's arguments
+    lr_scheduler: str | None = None  # a torch.optim.lr_scheduler class name, e.g. "StepLR"
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    warmup_epochs: int | None = None
+    max_norm: float | None = None  # gradient clipping, per member
+    amp: bool | None = None  # CUDA autocast + per-member GradScaler (ignored on CPU workers)
+    metrics: tuple[str, ...] = ()  # the study's objectives, in order; (): the workload's metric
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings as the study stores them: the request's own fields."""
+        return {
+            "optimizer": None if self.optimizer is None else {"name": self.optimizer, "kwargs": dict(self.optimizer_kwargs)},
+            "lr_scheduler": None
+            if self.lr_scheduler is None
+            else {"name": self.lr_scheduler, "kwargs": dict(self.lr_scheduler_kwargs)},
+            "warmup_epochs": self.warmup_epochs,
+            "max_norm": self.max_norm,
+            "amp": self.amp,
+            "metrics": list(self.metrics),
+        }
+
+    @classmethod
+    def from_json(cls, stored: dict[str, Any] | None) -> TrainingSpec:
+        """What :meth:`to_json` stored (None: a study that set nothing)."""
+        if not stored:
+            return cls()
+        optimizer, scheduler = stored.get("optimizer") or {}, stored.get("lr_scheduler") or {}
+        return cls(
+            optimizer=optimizer.get("name"),
+            optimizer_kwargs=dict(optimizer.get("kwargs") or {}),
+            lr_scheduler=scheduler.get("name"),
+            lr_scheduler_kwargs=dict(scheduler.get("kwargs") or {}),
+            warmup_epochs=stored.get("warmup_epochs"),
+            max_norm=stored.get("max_norm"),
+            amp=stored.get("amp"),
+            metrics=tuple(stored.get("metrics") or ()),
+        )
+
+
+@dataclass(frozen=True)
 class ArraySpec:
     """An array to train: its members and their study's settings."""
 
@@ -38,6 +85,7 @@ class ArraySpec:
     checkpoint_interval_s: float = 0.0  # ...and at most every this many seconds
     probe_solo: bool = False  # also time one member unfused once: the class's B = 1 speed
     prunes: bool = True  # the study has a pruner: each epoch waits for the control plane's decision
+    training: TrainingSpec = field(default_factory=TrainingSpec)  # the study's optimizer, schedule, metrics, ...
 
 
 @dataclass(frozen=True)
@@ -47,6 +95,8 @@ class MemberReport:
     ``state`` is set when the member ended on the worker's side: ``COMPLETE`` after its last
     epoch (its weights saved at ``state_dict``), ``FAIL`` when its loss stopped being
     finite. Pruning is the control plane's decision, sent back in the :class:`EpochReply`.
+    ``value`` is the study's first objective (the intermediate value); ``values``, set when
+    the member completed, holds every objective in the study's order (Optuna's values).
     """
 
     trial_id: int
@@ -55,6 +105,7 @@ class MemberReport:
     state: Literal["COMPLETE", "FAIL"] | None = None
     error: str | None = None
     state_dict: str | None = None
+    values: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import traceback
@@ -15,33 +16,30 @@ from torch import nn
 
 import fusetune.fusion as fusion
 from fusetune.workers.checkpoints import CheckpointWriter, checkpoint_path, load_checkpoint
-from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, Joined, MemberReport, MemberSpec
-from fusetune.workers.workloads import Workload, get_workload
+from fusetune.workers.optimization import ArrayOptimizer, Recipe, optimizer_kwargs, resolve
+from fusetune.workers.spec import (
+    ArrayOutcome,
+    ArraySpec,
+    EpochReply,
+    EpochReport,
+    Joined,
+    MemberReport,
+    MemberSpec,
+    TrainingSpec,
+)
+from fusetune.workers.workloads import Metric, Workload, get_workload
 
-#: Per-member hyper-parameters each optimizer takes from a trial's params, with torch's defaults.
-OPTIMIZER_HPARAMS: dict[str, dict[str, Any]] = {
-    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0},
-    "adam": {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999},
-}
-
-
-def optimizer_kwargs(workload: Workload, params: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
-    """Per-member optimizer hyper-parameters: the trial's value, else the workload's, else torch's."""
-    defaults = OPTIMIZER_HPARAMS[workload.optimizer]
-    per_member = [
-        {name: p.get(name, workload.optimizer_defaults.get(name, default)) for name, default in defaults.items()}
-        for p in params
-    ]
-    kwargs = {name: [m[name] for m in per_member] for name in defaults if not name.startswith("beta")}
-    if workload.optimizer == "adam":
-        kwargs["betas"] = [(m["beta1"], m["beta2"]) for m in per_member]
-    return kwargs
+__all__ = ["build_models", "objectives", "optimizer_kwargs", "probe_solo_speed", "recipes", "train_array"]
 
 
-def make_optimizer(workload: Workload, model: nn.Module, params: Sequence[Mapping[str, Any]]) -> torch.optim.Optimizer:
-    cls = {"sgd": fusion.optim.SGD, "adam": fusion.optim.Adam}[workload.optimizer]
-    return cls(model.parameters(), **optimizer_kwargs(workload, params))
+def recipes(workload: Workload, training: TrainingSpec, members: Sequence[MemberSpec]) -> list[Recipe]:
+    """How each member trains (``workers.optimization.resolve``)."""
+    return [resolve(workload, training, m.params) for m in members]
 
+
+def objectives(workload: Workload, training: TrainingSpec) -> list[Metric]:
+    """The study's objectives, in order: the first is every epoch's intermediate value."""
+    return [workload.metric_named(name) for name in training.metrics] or [workload.metric_named(workload.metric_name)]
 
 def build_models(workload: Workload, members: Sequence[MemberSpec], seed: int) -> list[nn.Module]:
     """One model per member, each initialised from its own seed so results are reproducible."""
@@ -66,46 +64,58 @@ def _checkpoint_of(spec: ArraySpec, member: MemberSpec) -> Path | None:
 
 def resume_members(
     spec: ArraySpec, members: Sequence[MemberSpec], models: Sequence[nn.Module]
-) -> tuple[list[int], list[dict[str, Any] | None]]:
+) -> tuple[list[int], list[tuple[dict[str, Any], dict[str, Any]] | None]]:
     """Load the checkpointed weights of the members that have a checkpoint into ``models``.
 
-    Returns each member's epochs done (0 when starting fresh) and its optimizer state to
-    load once the fused optimizer exists (None when fresh).
+    Returns each member's epochs done (0 when starting fresh) and its (optimizer, schedules)
+    states to load once the array's optimizer exists (None when fresh).
     """
-    epochs, optimizer_states = [], []
+    epochs: list[int] = []
+    states: list[tuple[dict[str, Any], dict[str, Any]] | None] = []
     for member, model in zip(members, models, strict=True):
         path = _checkpoint_of(spec, member)
         ckpt = load_checkpoint(path) if path is not None else None
         if ckpt is None:
             epochs.append(0)
-            optimizer_states.append(None)
+            states.append(None)
             continue
         model.load_state_dict(ckpt["model"], strict=True)
         epochs.append(int(ckpt["epochs_done"]))
-        optimizer_states.append(ckpt["optimizer"])
-    return epochs, optimizer_states
+        states.append((ckpt["optimizer"], ckpt.get("schedules") or {}))
+    return epochs, states
 
 
-#: The torch optimizer each fused optimizer twins, for the unfused probe.
-TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+def _load_states(optim: ArrayOptimizer, first: int, states: Sequence[tuple[dict[str, Any], dict[str, Any]] | None]) -> None:
+    for k, state in enumerate(states):
+        if state is not None:
+            optim.load_member_state(first + k, *state)
 
 
 def probe_solo_speed(
-    workload: Workload, member: MemberSpec, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int = 3
+    workload: Workload,
+    member: MemberSpec,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    warmup: int = 3,
+    training: TrainingSpec | None = None,
 ) -> float:
     """Steps/s of one member's model trained alone, unfused, on the array's own data.
 
     It is the B = 1 point of the class's speed-up curve: with the array's own measured
     speed it tells the scheduler what fusing gains on this device, instead of the dry runs
     that used to delay a class's first array. A copy trains (from the member's init seed,
-    one epoch's worth of steps at most), so the member itself is untouched.
+    one epoch's worth of steps at most) with torch's own optimizer, clipping and AMP as the
+    member's recipe says, so the member itself is untouched.
     """
     device = x.device
     batch = workload.batch_size_for(member.params)
+    recipe = resolve(workload, training, member.params)
     torch.manual_seed(member.number)
     model = workload.build_model(member.params).to(device)
-    hparams = {name: values[0] for name, values in optimizer_kwargs(workload, [member.params]).items()}
-    optimizer = TORCH_OPTIMIZERS[workload.optimizer](model.parameters(), **hparams)
+    optimizer = recipe.torch_optimizer(model.parameters())
+    amp = recipe.amp and device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda") if amp else None
     model.train()
     clock = 0.0
     for k in range(warmup + steps):
@@ -113,12 +123,31 @@ def probe_solo_speed(
             _sync(device)
             clock = time.perf_counter()
         idx = torch.randint(len(y), (batch,), device=device)
-        loss = workload.loss(model(x[idx]), y[idx])
+        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+            loss = workload.loss(model(x[idx]), y[idx])
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
+        if recipe.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
     _sync(device)
     return steps / (time.perf_counter() - clock)
+
+
+def _measure(metric: Metric, fused: fusion.FusedModel, b: int, out: torch.Tensor, target: torch.Tensor) -> float:
+    """Member ``b``'s value of ``metric``: from the fused validation outputs, or of its model."""
+    with torch.no_grad():
+        if metric.of == "model":
+            return float(metric.fn(fused.member(b)))
+        return float(metric.fn(out[b], target))
 
 
 def _sync(device: torch.device) -> None:
@@ -141,8 +170,9 @@ Training = Generator[EpochReport, EpochReply | None, ArrayOutcome]
 def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = None) -> Training:
     """Train ``spec``'s members as one fused model, each for ``spec.epochs`` epochs.
 
-    A generator: after every epoch it yields one :class:`EpochReport` (every member's
-    validation metric, the members that ended or left, the epoch's throughput and timings)
+    A generator: after every epoch it yields one :class:`EpochReport` (every member's first
+    objective, all of them for members that completed, the members that ended or left, the
+    epoch's throughput and timings)
     and waits for the control plane's :class:`EpochReply` to be sent back (``send``), whose
     ``prune`` names the members the study's pruner stops. It returns the
     :class:`ArrayOutcome` (``StopIteration.value``).
@@ -155,7 +185,9 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
     checkpointed every ``spec.checkpoint_frequency`` epochs, in the background
     (``workers.checkpoints.CheckpointWriter``), and a member that has a checkpoint (its last
     worker died, or it was preempted) resumes from it: weights, optimizer state and epoch
-    count (the data order of its later epochs differs). Members the scheduler preempts
+    count (the data order of its later epochs differs). Each member trains with its own
+    recipe (``workers.optimization``: optimizer, LR schedule and warm-up stepped once per
+    epoch after validation, gradient clipping, AMP on CUDA). Members the scheduler preempts
     (``inbox.released``) leave at the next epoch boundary with a checkpoint written before
     the report says they left. Any other error fails the whole array, with the error recorded.
     """
@@ -170,14 +202,13 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
         train, val = workload.datasets()
         x, y = (t.to(device) for t in train.tensors)
         x_val, y_val = (t.to(device) for t in val.tensors)
+        metrics = objectives(workload, spec.training)
         models = build_models(workload, members, spec.seed)
-        epochs_done, optimizer_states = resume_members(spec, members, models)
+        epochs_done, states = resume_members(spec, members, models)
         fused = fusion.fuse(models).to(device)
-        optimizer = make_optimizer(workload, fused, [m.params for m in members])
-        for b, state in enumerate(optimizer_states):
-            if state is not None:
-                optimizer.load_member_state_dict(b, state)
-        joined = [Joined(m.trial_id, e if s is not None else None) for m, e, s in zip(members, epochs_done, optimizer_states)]
+        optim = ArrayOptimizer(fused, recipes(workload, spec.training, members), device)
+        _load_states(optim, 0, states)
+        joined = [Joined(m.trial_id, e if s is not None else None) for m, e, s in zip(members, epochs_done, states)]
         batch_size = workload.batch_size_for(members[0].params)
         generator = torch.Generator().manual_seed(spec.seed)
         member_steps, steps, train_seconds = 0, 0, 0.0
@@ -193,11 +224,14 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
             epoch_steps = 0
             for begin in range(0, len(y), batch_size):
                 idx = order[begin : begin + batch_size]
-                out = fused(fusion.broadcast(x[idx], count))
-                losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(y[idx], count))
-                optimizer.zero_grad(set_to_none=True)
-                losses.sum().backward()
-                optimizer.step()
+                if optim.amp:
+                    with optim.autocast():
+                        out = fused(fusion.broadcast(x[idx], count))
+                        losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(y[idx], count))
+                else:
+                    out = fused(fusion.broadcast(x[idx], count))
+                    losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(y[idx], count))
+                optim.step(losses)
                 epoch_steps += 1
             final_losses = losses.detach().cpu().tolist()
             epoch["train_s"] = time.perf_counter() - clock
@@ -205,14 +239,15 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
             solo = None
             if spec.probe_solo and outcome.epochs_done == 0:
                 clock = time.perf_counter()
-                solo = probe_solo_speed(workload, members[0], x, y, steps=epoch_steps)
+                solo = probe_solo_speed(workload, members[0], x, y, steps=epoch_steps, training=spec.training)
                 epoch["probe_s"] = time.perf_counter() - clock
 
             clock = time.perf_counter()
             fused.eval()
-            with torch.no_grad():
+            with torch.no_grad(), optim.autocast() if optim.amp else contextlib.nullcontext():
                 out = fused(fusion.broadcast(x_val, count))
-            values = [float(workload.metric(out[b], y_val)) for b in range(count)]
+            values = [_measure(metrics[0], fused, b, out, y_val) for b in range(count)]
+            optim.end_epoch(values)  # schedules step once per epoch, after validation
             epoch["eval_s"] = time.perf_counter() - clock
             outcome.epochs_done += 1
 
@@ -228,8 +263,15 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
                     reports.append(MemberReport(member.trial_id, step, values[b], "FAIL", error=error))
                     ended[b], outcome.failed[member.trial_id] = "FAIL", "training diverged"
                 elif epochs_done[b] >= spec.epochs:
+                    finals = (values[b], *(_measure(m, fused, b, out, y_val) for m in metrics[1:]))
+                    bad = [m.name for m, v in zip(metrics, finals) if not math.isfinite(v)]
+                    if bad:
+                        error = f"objective {bad[0]} is not finite at epoch {step}"
+                        reports.append(MemberReport(member.trial_id, step, values[b], "FAIL", error=error))
+                        ended[b], outcome.failed[member.trial_id] = "FAIL", error
+                        continue
                     path = save_member(fused, b, spec, member) if spec.artifact_dir is not None else None
-                    reports.append(MemberReport(member.trial_id, step, values[b], "COMPLETE", state_dict=path))
+                    reports.append(MemberReport(member.trial_id, step, values[b], "COMPLETE", state_dict=path, values=finals))
                     ended[b] = "COMPLETE"
                     outcome.completed.append(member.trial_id)
                 else:
@@ -242,7 +284,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
             release = inbox.released(spec.array_id) if inbox is not None and spec.artifact_dir else set()
             leaving = [b for b, m in enumerate(members) if b not in ended and m.trial_id in release]
             for b in leaving:
-                writer.save(_checkpoint_of(spec, members[b]), epochs_done[b], fused.member_state_dict(b), optimizer.member_state_dict(b))
+                writer.save(_checkpoint_of(spec, members[b]), epochs_done[b], fused.member_state_dict(b), *optim.member_state(b))
                 outcome.released.append(members[b].trial_id)
             if leaving:
                 writer.flush()
@@ -287,7 +329,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
                         and epochs_done[b] - epochs_at >= spec.checkpoint_frequency
                         and train_seconds - seconds_at >= spec.checkpoint_interval_s
                     ):
-                        writer.save(_checkpoint_of(spec, member), epochs_done[b], fused.member_state_dict(b), optimizer.member_state_dict(b))
+                        writer.save(_checkpoint_of(spec, member), epochs_done[b], fused.member_state_dict(b), *optim.member_state(b))
                         last_saved[member.trial_id] = (epochs_done[b], train_seconds)
             epoch["checkpoint_s"] += time.perf_counter() - clock
 
@@ -295,7 +337,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
             newcomers = inbox.take(spec.array_id) if inbox is not None else []
             if ended and len(ended) < count:
                 fused.remove_members(sorted(ended))
-                optimizer.remove_members(sorted(ended))
+                optim.remove_members(sorted(ended))
             keep = [b for b in range(count) if b not in ended]
             members, epochs_done = [members[b] for b in keep], [epochs_done[b] for b in keep]
             if newcomers:
@@ -303,13 +345,11 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
                 new_epochs, new_states = resume_members(spec, newcomers, models)
                 if members:
                     fused.add_members(models)
-                    optimizer.add_members(len(newcomers), **optimizer_kwargs(workload, [m.params for m in newcomers]))
+                    optim.add_members(recipes(workload, spec.training, newcomers))
                 else:  # every member ended at this boundary: the newcomers make a fresh array
                     fused = fusion.fuse(models).to(device)
-                    optimizer = make_optimizer(workload, fused, [m.params for m in newcomers])
-                for k, state in enumerate(new_states):
-                    if state is not None:
-                        optimizer.load_member_state_dict(len(members) + k, state)
+                    optim = ArrayOptimizer(fused, recipes(workload, spec.training, newcomers), device)
+                _load_states(optim, len(members), new_states)
                 joined = [Joined(m.trial_id, e if s is not None else None) for m, e, s in zip(newcomers, new_epochs, new_states)]
                 members += newcomers
                 epochs_done += new_epochs

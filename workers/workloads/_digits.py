@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from ._base import Params, Workload, accuracy
+from ._base import Metric, Params, Workload, accuracy, n_params
 
 #: Images held out for validation; the split is fixed so every trial sees the same data.
 VALIDATION_SIZE = 360
@@ -50,6 +50,14 @@ def build_mlp(params: Params) -> nn.Module:
         nn.ReLU(),
         nn.Linear(hidden, 10),
     )
+
+
+#: What a digits study may choose as objectives: accuracy (the default) and the model's size,
+#: so a study can ask for the accuracy/size Pareto front.
+DIGITS_METRICS = (
+    Metric("accuracy", accuracy, "maximize"),
+    Metric("n_params", n_params, "minimize", of="model"),
+)
 
 
 def mlp_space(trial: optuna.Trial) -> dict[str, Any]:
@@ -102,7 +110,8 @@ DIGITS_MLP = Workload(
     datasets=digits_datasets,
     loss=F.cross_entropy,
     metric=accuracy,
-    optimizer="sgd",
+    metrics=DIGITS_METRICS,
+    optimizer="SGD",
     optimizer_defaults={"lr": 0.05},
     batch_size=64,
     description="MLP on scikit-learn's 8x8 digits, SGD with momentum",
@@ -115,7 +124,8 @@ DIGITS_CNN = Workload(
     datasets=digits_datasets,
     loss=F.cross_entropy,
     metric=accuracy,
-    optimizer="adam",
+    metrics=DIGITS_METRICS,
+    optimizer="Adam",
     optimizer_defaults={"lr": 1e-3},
     batch_size=64,
     description="Conv + BatchNorm network on scikit-learn's 8x8 digits, Adam",
