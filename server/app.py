@@ -93,6 +93,10 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
         detail = [{"loc": [exc.where, exc.field], "msg": str(exc), "type": "conflict"}]
         return JSONResponse(status_code=409, content={"detail": detail})
 
+    @app.exception_handler(service.Unavailable)
+    async def unavailable(_: Request, exc: service.Unavailable) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": str(exc)})
+
     @app.exception_handler(service.Invalid)
     async def invalid(_: Request, exc: service.Invalid) -> JSONResponse:
         detail = [{"loc": [exc.where, exc.field], "msg": str(exc), "type": "value_error"}]

@@ -12,10 +12,12 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 import math
+import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import optuna
 import torch
@@ -52,33 +54,58 @@ from fusetune.server.db import (
 )
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
-from fusetune.server.schemas import parse_search_space
+from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
+from fusetune.server.service import Conflict
 from fusetune.server.settings import Settings
 from fusetune.workers.checkpoints import checkpoint_path
 from fusetune.workers.pool import Event, WorkerHandle, WorkerPool
-from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
+from fusetune.workers.optimization import resolve
+from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
 from fusetune.workers.workloads import Workload, get_workload
 
 log = logging.getLogger(__name__)
 
 _MAX_RESUMES = 3  # a trial whose workers keep dying fails instead of crashing workers forever
+_T = TypeVar("_T")
+# While a client's pruning decisions are awaited, the loop looks at its inbox this often.
+_DECISION_POLL_S = 0.01
 
 
-def array_settings(workload: Workload, study: Study, params: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings every member of an array must share, beyond its operator shapes."""
+@dataclass
+class _Awaiting:
+    """An array-epoch of a client-driven study whose reply waits for the client's decisions."""
+
+    worker: WorkerHandle
+    steps: dict[int, int]  # fusetune trial id -> the step its decision is for
+    prune: set[int] = field(default_factory=set)
+
+
+def array_settings(
+    workload: Workload, study: Study, params: Mapping[str, Any], training: TrainingSpec | None = None
+) -> dict[str, Any]:
+    """The settings every member of an array must share, beyond its operator shapes.
+
+    The optimizer class and its array-wide flags, the LR scheduler class and AMP come from
+    the trial's recipe (``workers.optimization.resolve``: its params, else the study's
+    ``training`` settings, else the workload's), so trials with different optimizers never
+    share an array. Raises ``OptionError`` naming the parameter a recipe cannot use.
+    """
     return {
         "workload": workload.name,
-        "optimizer": workload.optimizer,
+        **resolve(workload, training, params).array_settings(),
         "batch_size": workload.batch_size_for(params),
         "epochs": study.epochs,
     }
 
 
-def trial_signature(workload: Workload, study: Study, params: Mapping[str, Any]) -> str:
+def trial_signature(
+    workload: Workload, study: Study, params: Mapping[str, Any], training: TrainingSpec | None = None
+) -> str:
     """The shape signature of a trial's model, built on the meta device (no memory, no init cost)."""
+    settings = array_settings(workload, study, params, training)
     with torch.device("meta"):
         model = workload.build_model(params)
-    return shape_signature(model, array_settings(workload, study, params)).digest
+    return shape_signature(model, settings).digest
 
 
 def study_sampler(study: Study, settings: Settings) -> optuna.samplers.BaseSampler:
@@ -137,6 +164,7 @@ class Coordinator:
         self.sessions = get_sessionmaker(self.url)
         self.storage = get_optuna_storage(self.url)
         self._mirrors: dict[int, StudyMirror] = {}  # fusetune study id -> its Optuna study, in memory
+        self._training: dict[int, TrainingSpec] = {}  # fusetune study id -> its training settings (fixed)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,6 +182,10 @@ class Coordinator:
             lease_seconds=settings.lease_s,
         )
         self._next_refresh = time.monotonic() + settings.device_refresh_s
+        # Calls from request threads (enqueue, pruning decisions) run on the loop thread,
+        # which alone touches the mirrors.
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._awaiting: dict[int, _Awaiting] = {}  # array id -> its epoch waiting for a client
 
     # -- lifecycle -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -179,15 +211,38 @@ class Coordinator:
         """Run a scheduling step now (a study was created), not at the next poll."""
         self._wake.set()
 
+    def call(self, fn: Callable[[], _T], timeout: float = 60.0) -> _T:
+        """Run ``fn`` on the loop thread, which owns the studies' mirrors, and return its result."""
+        if self._thread is None or not self._thread.is_alive():
+            return fn()  # no loop (tests drive step() themselves): this thread is the only one
+        future: Future[_T] = Future()
+        self._inbox.put((fn, future))
+        self._wake.set()
+        return future.result(timeout)
+
+    def _run_inbox(self) -> None:
+        while True:
+            try:
+                fn, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller's thread raises it
+                future.set_exception(exc)
+
     def _loop(self) -> None:
         next_step = 0.0
         while not self._stop.is_set():
             try:
+                self._run_inbox()
                 if self._wake.is_set() or time.monotonic() >= next_step:
                     self._wake.clear()
                     self.step()
                     next_step = time.monotonic() + self.settings.poll_interval_s
                 timeout = max(0.0, next_step - time.monotonic())
+                if self._awaiting:
+                    timeout = min(timeout, _DECISION_POLL_S)
                 if self.pool.idle() != self.pool.workers:
                     if self._handle(self.pool.wait(timeout)):
                         next_step = 0.0  # a worker or slots are free for waiting trials
@@ -231,10 +286,14 @@ class Coordinator:
         for worker, spec, item in events:
             if isinstance(item, EpochReport):
                 reply = self._record_epoch(worker, item)
+                if reply is None:  # the client decides: the reply goes when it has
+                    ended = ended or bool(item.released or any(m.state for m in item.members))
+                    continue
                 if spec.prunes:
                     self.pool.reply(worker, reply)
                 ended = ended or bool(reply.prune or item.released or any(m.state for m in item.members))
             else:
+                self._awaiting.pop(spec.array_id, None)
                 self._record(worker, spec, item)
                 ended = True
                 if isinstance(item, BaseException):
@@ -285,12 +344,25 @@ class Coordinator:
             self._mirrors[study.id] = StudyMirror(self.storage, study.optuna_study_id, sampler, pruner)
         return self._mirrors[study.id]
 
+    def _training_of(self, study: Study) -> TrainingSpec:
+        """The study's optimizer, schedule, clipping, AMP and objectives, as its request set them.
+
+        They are kept in the Optuna study's system attrs (``optuna.load_study`` shows them),
+        read once per process: they never change.
+        """
+        if study.id not in self._training:
+            stored = self.storage.get_study_system_attrs(study.optuna_study_id).get(TRAINING_ATTR)
+            self._training[study.id] = TrainingSpec.from_json(stored)
+        return self._training[study.id]
+
     def _capacity(self) -> int:
         """How many trials the devices can train at once: the most waiting trials worth asking for."""
         return max(1, len(self.pool.workers)) * self.settings.max_array_size
 
     def _ask(self, session: Session, study: Study) -> None:
         """Ask the study's sampler for enough trials to fill every device, in one transaction."""
+        if study.driver == "client":
+            return  # its client asks the trials and enqueues them
         asked = session.scalar(select(func.count()).where(Trial.study_id == study.id))
         waiting = session.scalar(
             select(func.count()).where(Trial.study_id == study.id, Trial.state == TrialState.WAITING)
@@ -298,27 +370,64 @@ class Coordinator:
         wanted = min(study.n_trials - asked, (self.settings.ask_batch or self._capacity()) - waiting)
         if wanted <= 0:
             return
-        workload = get_workload(study.workload)
-        mirror = self._mirror(study)
-        distributions = parse_search_space(study.search_space) if study.search_space else None
         try:
-            for trial in mirror.ask(session, wanted, workload.search_space, distributions):
-                row = Trial(study_id=study.id, optuna_trial_id=trial.trial_id, number=trial.number, params=trial.params, signature="")
-                error = trial.error
-                if error is None:
-                    try:
-                        row.signature = trial_signature(workload, study, trial.params)
-                    except Exception as exc:  # the workload's model rejected these params
-                        error = f"{type(exc).__name__}: {exc}"
-                        mirror.tell(session, trial.trial_id, OptunaState.FAIL)
-                if error is not None:
-                    row.state, row.error, row.completed_at = TrialState.FAIL, error, utcnow()
-                session.add(row)
+            self._ask_into(session, study, wanted)
             session.commit()
         except Exception:
             session.rollback()
             self._mirrors.pop(study.id, None)  # what it asked was not written: reload from the database
             raise
+
+    def enqueue(self, study_id: int, params: Mapping[str, Any], user_attrs: Mapping[str, Any]) -> Trial:
+        """Optuna's ``enqueue_trial``, asked at once: the study's next trial has these params.
+
+        The trial counts in the study's ``n_trials``. Runs on the loop thread (see :meth:`call`).
+
+        Raises:
+            service.Conflict: naming ``n_trials`` when the study has asked all its trials.
+        """
+        with self.sessions() as session:
+            study = session.get(Study, study_id)
+            asked = session.scalar(select(func.count()).where(Trial.study_id == study.id))
+            if asked >= study.n_trials:
+                raise Conflict("n_trials", f"study {study.id} has asked all its n_trials={study.n_trials} trials")
+            mirror = self._mirror(study)
+            try:
+                mirror.study.enqueue_trial(dict(params), user_attrs=dict(user_attrs), skip_if_exists=False)
+                (row,) = self._ask_into(session, study, 1)
+                if study.state != StudyState.RUNNING:  # more trials for a study that had ended
+                    study.state, study.completed_at = StudyState.RUNNING, None
+                session.commit()
+            except Exception:
+                session.rollback()
+                self._mirrors.pop(study.id, None)
+                raise
+            session.refresh(row)
+            session.expunge(row)
+        self.wake()
+        return row
+
+    def _ask_into(self, session: Session, study: Study, wanted: int) -> list[Trial]:
+        """Ask ``wanted`` trials (enqueued ones first, as Optuna does) into the caller's transaction."""
+        workload = get_workload(study.workload)
+        mirror = self._mirror(study)
+        distributions = parse_search_space(study.search_space) if study.search_space else None
+        rows = []
+        for trial in mirror.ask(session, wanted, workload.search_space, distributions):
+            row = Trial(study_id=study.id, optuna_trial_id=trial.trial_id, number=trial.number, params=trial.params, signature="")
+            error = trial.error
+            if error is None:
+                try:
+                    row.signature = trial_signature(workload, study, trial.params, self._training_of(study))
+                except Exception as exc:  # the workload's model rejected these params
+                    error = f"{type(exc).__name__}: {exc}"
+                    mirror.tell(session, trial.trial_id, OptunaState.FAIL)
+            if error is not None:
+                row.state, row.error, row.completed_at = TrialState.FAIL, error, utcnow()
+            session.add(row)
+            rows.append(row)
+        session.flush()
+        return rows
 
     # -- dispatching ---------------------------------------------------------------------------
     def _dispatch(self, session: Session) -> None:
@@ -488,15 +597,21 @@ class Coordinator:
             # The class's solo speed is the B = 1 point of its curve: measured once per
             # signature and device type, by a short unfused probe in its first array.
             probe_solo=len(trials) > 1 and 1 not in self._points.get((array.signature, worker.device_type), {}),
-            prunes=study.pruner is not None,
+            prunes=study.pruner is not None or study.driver == "client",
+            training=self._training_of(study),
         )
-        self._live[array.id] = _Live(study.id, {t.id: t.optuna_trial_id for t in trials})
+        self._live[array.id] = _Live(
+            study.id, {t.id: t.optuna_trial_id for t in trials}, client_decides=study.driver == "client"
+        )
         self.pool.submit(worker, spec)
         log.info("array %d: %d trials of study %s on %s", array.id, len(trials), study.name, worker.name)
 
     # -- recording -----------------------------------------------------------------------------
-    def _record_epoch(self, worker: WorkerHandle, report: EpochReport) -> EpochReply:
+    def _record_epoch(self, worker: WorkerHandle, report: EpochReport) -> EpochReply | None:
         """Write one array-epoch in one transaction; decide pruning; return the reply.
+
+        A client-driven study's client decides pruning (:meth:`decide`): then the members
+        still running await its decisions and the reply is None, for now.
 
         Every member's intermediate value goes to its Optuna trial (so Optuna's pruners,
         ``optuna.load_study`` and optuna-dashboard see it); members that ended are told to
@@ -507,8 +622,10 @@ class Coordinator:
         """
         live = self._live[report.array_id]
         prune: set[int] = set()
+        awaiting: dict[int, int] = {}
         with self.sessions() as session:
             mirror = self._mirror_of(session, live.study_id)
+            client_decides = live.client_decides
             try:
                 now = utcnow()
                 optuna_id = live.optuna_ids
@@ -528,11 +645,14 @@ class Coordinator:
                     if member.state == "COMPLETE":
                         if member.state_dict is not None:  # where its trained weights are
                             mirror.set_user_attrs(session, trial_id, {"state_dict": member.state_dict})
-                        mirror.tell(session, trial_id, OptunaState.COMPLETE, member.value)
+                        # Every objective (a multi-objective study's list); the first is also fusetune's value.
+                        mirror.tell(session, trial_id, OptunaState.COMPLETE, list(member.values) or member.value)
                         _finish(session, member.trial_id, TrialState.COMPLETE, now, value=member.value)
                     elif member.state == "FAIL":
                         mirror.tell(session, trial_id, OptunaState.FAIL)
                         _finish(session, member.trial_id, TrialState.FAIL, now, error=member.error)
+                    elif client_decides:
+                        awaiting[member.trial_id] = member.step
                     elif mirror.should_prune(session, trial_id):
                         mirror.tell(session, trial_id, OptunaState.PRUNED)
                         _finish(session, member.trial_id, TrialState.PRUNED, now, value=member.value)
@@ -556,7 +676,47 @@ class Coordinator:
                 session.rollback()
                 self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
                 raise
+        if awaiting:
+            self._awaiting[report.array_id] = _Awaiting(worker, awaiting)
+            return None
         return EpochReply(prune=frozenset(prune))
+
+    def decide(self, trial_id: int, step: int, prune: bool) -> None:
+        """A client-driven study's pruning decision for a trial's report at ``step``.
+
+        The trial ends PRUNED at once if ``prune``; when every member of the array-epoch has
+        its decision, the array goes on. Runs on the loop thread (see :meth:`call`).
+
+        Raises:
+            service.Conflict: naming ``step`` when no array waits for this trial's decision at it.
+        """
+        for array_id, waiting in self._awaiting.items():
+            if trial_id in waiting.steps:
+                break
+        else:
+            raise Conflict("step", f"trial {trial_id} awaits no pruning decision (it is not between epochs)")
+        if waiting.steps[trial_id] != step:
+            raise Conflict("step", f"trial {trial_id} awaits the decision for step {waiting.steps[trial_id]}, not {step}")
+        live = self._live[array_id]
+        if prune:
+            with self.sessions() as session:
+                mirror = self._mirror_of(session, live.study_id)
+                try:
+                    mirror.tell(session, live.optuna_ids[trial_id], OptunaState.PRUNED)
+                    value = mirror.trial(live.optuna_ids[trial_id]).intermediate_values.get(step)
+                    _finish(session, trial_id, TrialState.PRUNED, utcnow(), value=value)
+                    session.commit()
+                except Exception:
+                    session.rollback()
+                    self._mirrors.pop(live.study_id, None)
+                    raise
+            waiting.prune.add(trial_id)
+        del waiting.steps[trial_id]
+        if not waiting.steps:
+            del self._awaiting[array_id]
+            self.pool.reply(waiting.worker, EpochReply(prune=frozenset(waiting.prune)))
+            if waiting.prune:
+                self.wake()  # freed slots: backfill
 
     def _mirror_of(self, session: Session, study_id: int) -> StudyMirror:
         return self._mirrors.get(study_id) or self._mirror(session.get(Study, study_id))
@@ -675,5 +835,6 @@ class _Live:
 
     study_id: int
     optuna_ids: dict[int, int]  # fusetune trial id -> Optuna trial id, members and newcomers
+    client_decides: bool = False  # a client-driven study: its client decides pruning
     epochs_done: int = 0
     timings: dict[str, float] = field(default_factory=dict)

@@ -8,11 +8,19 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import optuna
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fusetune.server.db import ArrayState, StudyState, TrialState
 from fusetune.server.optuna_specs import PRUNERS, SAMPLERS, SpecError, make_pruner, make_sampler
-from fusetune.workers.workloads import UnknownWorkloadError, WorkloadImportsDisabled, get_workload
+from fusetune.workers.optimization import (
+    OptionError,
+    check_lr_scheduler_spec,
+    check_optimizer_spec,
+    lr_scheduler_name,
+    optimizer_name,
+)
+from fusetune.workers.spec import TrainingSpec
+from fusetune.workers.workloads import UnknownWorkloadError, Workload, available_workloads, WorkloadImportsDisabled, get_workload
 
 
 class ComponentSpec(BaseModel):
@@ -52,6 +60,70 @@ class PrunerSpec(ComponentSpec):
     """An Optuna pruner, e.g. ``{"name": "MedianPruner", "kwargs": {"n_warmup_steps": 2}}``."""
 
     _known, _constructible = _spec_validators(PRUNERS, make_pruner, "pruner")
+
+
+#: The Optuna study system attr that holds a study's training settings (``TrainingSpec.to_json``).
+TRAINING_ATTR = "fusetune:training"
+
+
+def _field_error(title: str, loc: tuple[str | int, ...], message: str, value: Any) -> ValidationError:
+    """A validation error at ``loc`` (under the model being validated): a 422 naming that field."""
+    from pydantic_core import InitErrorDetails, PydanticCustomError
+
+    error = PydanticCustomError("value_error", "{message}", {"message": message})
+    return ValidationError.from_exception_data(title, [InitErrorDetails(type=error, loc=loc, input=value)])
+
+
+class OptimizerSpec(BaseModel):
+    """A fused ``torch.optim`` optimizer for a study's trials: torch's class name and
+    constructor kwargs, e.g. ``{"name": "AdamW", "kwargs": {"weight_decay": 0.05}}``.
+
+    The kwargs are torch's names; ``betas`` is a pair. A trial param of the same name
+    overrides them for that trial (``beta1``/``beta2`` override ``betas``' elements).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(examples=["AdamW", "SGD", "RMSprop"], description="A torch.optim class name (lower case accepted).")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _constructible(self) -> OptimizerSpec:
+        try:
+            self.name = optimizer_name(self.name)
+        except OptionError as exc:
+            raise _field_error("OptimizerSpec", ("name",), str(exc), self.name) from exc
+        try:
+            check_optimizer_spec(self.name, self.kwargs)
+        except OptionError as exc:
+            loc = ("kwargs", exc.param) if exc.param in self.kwargs else ("kwargs",)
+            raise _field_error("OptimizerSpec", loc, str(exc), self.kwargs.get(exc.param, self.kwargs)) from exc
+        return self
+
+
+class LRSchedulerSpec(BaseModel):
+    """A fused ``torch.optim.lr_scheduler`` scheduler for a study's trials, stepped once per
+    epoch: torch's class name and constructor kwargs, e.g. ``{"name": "StepLR", "kwargs":
+    {"step_size": 5, "gamma": 0.5}}``. A trial param of the same name overrides a kwarg
+    (unless the optimizer takes that name too: then it is the optimizer's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(examples=["StepLR", "CosineAnnealingLR", "ReduceLROnPlateau"])
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _constructible(self) -> LRSchedulerSpec:
+        try:
+            self.name = lr_scheduler_name(self.name)
+        except OptionError as exc:
+            raise _field_error("LRSchedulerSpec", ("name",), str(exc), self.name) from exc
+        try:
+            check_lr_scheduler_spec(self.name, self.kwargs)
+        except OptionError as exc:
+            loc = ("kwargs", exc.param) if exc.param in self.kwargs else ("kwargs",)
+            raise _field_error("LRSchedulerSpec", loc, str(exc), self.kwargs.get(exc.param, self.kwargs)) from exc
+        return self
 
 
 def parse_search_space(
@@ -99,7 +171,41 @@ class StudyCreate(BaseModel):
     search_space: dict[str, str | dict[str, Any]] | None = None
     sampler: SamplerSpec = Field(default_factory=lambda: SamplerSpec(name="TPESampler"))
     pruner: PrunerSpec | None = None
+    driver: Literal["service", "client"] = Field(
+        "service",
+        description="Who asks the trials and decides pruning. `service`: the study's sampler and "
+        "pruner, here. `client`: the client enqueues every trial (POST /studies/{id}/trials) and "
+        "decides pruning after each epoch (POST /trials/{id}/pruning); the study names no sampler "
+        "or pruner. fusetune.client.optimize drives a user's own Optuna study this way.",
+    )
     max_array_size: int | None = Field(None, gt=0, le=4096)
+    optimizer: OptimizerSpec | None = Field(
+        None, description="The trials' optimizer; default: the workload's. A trial param `optimizer` overrides it."
+    )
+    lr_scheduler: LRSchedulerSpec | None = Field(
+        None, description="An LR scheduler, stepped once per epoch; default: the workload's (none for digits)."
+    )
+    warmup_epochs: int | None = Field(
+        None, ge=0, le=10_000,
+        description="Linear LR warm-up over this many epochs (torch's LinearLR(1/(W+1), total_iters=W) chained "
+        "with the scheduler); a trial param `warmup_epochs` overrides it.",
+    )
+    max_norm: float | None = Field(
+        None, gt=0, description="Clip each member's gradient norm to this (clip_grad_norm_); a trial param overrides it."
+    )
+    amp: bool | None = Field(
+        None, description="Mixed precision (float16 autocast, per-member GradScaler) on GPU workers; CPU workers "
+        "ignore it and train in float32.",
+    )
+    metrics: list[str] | None = Field(
+        None, min_length=1, max_length=16,
+        description="The objectives, workload metrics by name (digits: accuracy, n_params); several make a "
+        "multi-objective study (NSGA-II by default, no pruner). The first is each epoch's intermediate value. "
+        "Default: the workload's metric.",
+    )
+    directions: list[Literal["minimize", "maximize"]] | None = Field(
+        None, min_length=1, description="One per metric; default: each metric's own direction."
+    )
     fusion_sampler: bool = Field(
         True,
         description="Wrap the sampler in fusetune.client.FusionSampler: the parameters that change "
@@ -118,6 +224,87 @@ class StudyCreate(BaseModel):
             raise ValueError(str(exc)) from exc
         return name
 
+    @model_validator(mode="after")
+    def _client_driven_names_no_sampler_or_pruner(self) -> StudyCreate:
+        if self.driver == "client":
+            for name in ("sampler", "pruner"):
+                if name in self.model_fields_set:
+                    raise ValueError(f"{name}: a client-driven study has none; its client asks and prunes")
+        return self
+
+    @model_validator(mode="after")
+    def _objectives_and_training_choices(self) -> StudyCreate:
+        """Metrics the workload declares, one direction each; a multi-objective study has no
+        pruner and defaults to NSGA-II; searched optimizer and scheduler names exist."""
+        title = "StudyCreate"
+        workload = _workload_here(self.workload)
+        if self.metrics is not None:
+            if len(set(self.metrics)) != len(self.metrics):
+                raise _field_error(title, ("metrics",), f"metrics repeat a name: {self.metrics}", self.metrics)
+            for i, name in enumerate(self.metrics if workload is not None else ()):
+                try:
+                    workload.metric_named(name)
+                except KeyError as exc:
+                    raise _field_error(title, ("metrics", i), str(exc.args[0]), name) from exc
+        count = len(self.metrics or [None])
+        if self.directions is not None and len(self.directions) != count:
+            raise _field_error(
+                title, ("directions",), f"directions has {len(self.directions)} entries for {count} metrics", self.directions
+            )
+        if count > 1 or len(self.directions or ()) > 1:
+            if self.pruner is not None:
+                raise _field_error(
+                    title, ("pruner",),
+                    "a multi-objective study takes no pruner: Optuna's pruners are single-objective", self.pruner.model_dump(),
+                )
+            if self.direction is not None:
+                raise _field_error(title, ("direction",), "a multi-objective study takes directions, one per metric", self.direction)
+            if "sampler" not in self.model_fields_set:
+                self.sampler = SamplerSpec(name="NSGAIISampler")
+                self.model_fields_set.discard("sampler")  # still the default: the multi-objective one
+        if self.search_space:
+            space = parse_search_space(self.search_space)
+            for param, check in (("optimizer", optimizer_name), ("lr_scheduler", lr_scheduler_name)):
+                if param not in space:
+                    continue
+                choices = getattr(space[param], "choices", None)
+                if choices is None:
+                    raise _field_error(title, ("search_space", param), f"{param} must be a CategoricalDistribution", None)
+                for choice in choices:
+                    if choice is None and param == "lr_scheduler":
+                        continue  # no scheduler
+                    try:
+                        check(choice)
+                    except OptionError as exc:
+                        raise _field_error(title, ("search_space", param), str(exc), choice) from exc
+        return self
+
+    def training_spec(self) -> TrainingSpec:
+        """The request's training settings, as workers get them (None or empty: the workload's)."""
+        return TrainingSpec(
+            optimizer=self.optimizer.name if self.optimizer else None,
+            optimizer_kwargs=dict(self.optimizer.kwargs) if self.optimizer else {},
+            lr_scheduler=self.lr_scheduler.name if self.lr_scheduler else None,
+            lr_scheduler_kwargs=dict(self.lr_scheduler.kwargs) if self.lr_scheduler else {},
+            warmup_epochs=self.warmup_epochs,
+            max_norm=self.max_norm,
+            amp=self.amp,
+            metrics=tuple(self.metrics or ()),
+        )
+
+    def objective_directions(self, workload: Workload) -> list[str]:
+        """One direction per objective: the request's, else each metric's own.
+
+        Raises:
+            KeyError: a metric the workload does not declare (its message names the known ones).
+        """
+        names = self.metrics or [workload.metric_name]
+        if self.directions is not None:
+            return list(self.directions)
+        if self.direction is not None:
+            return [self.direction]
+        return [workload.metric_named(name).direction for name in names]
+
     @field_validator("search_space")
     @classmethod
     def _distributions(
@@ -132,10 +319,21 @@ class StudyCreate(BaseModel):
 
 
 
+def _workload_here(name: str) -> Workload | None:
+    """The workload, when it resolves without importing a module path (else the service checks)."""
+    if name not in available_workloads():
+        return None
+    try:
+        return get_workload(name)
+    except UnknownWorkloadError:
+        return None
+
+
 class BestTrial(BaseModel):
     number: int
-    value: float
+    value: float = Field(description="The first objective's value.")
     params: dict[str, Any]
+    values: list[float] | None = Field(None, description="Every objective's value, in the study's order.")
 
 
 class StudyOut(BaseModel):
@@ -148,15 +346,30 @@ class StudyOut(BaseModel):
     n_trials: int
     epochs: int
     direction: str
+    directions: list[str] = Field(
+        default_factory=list, description="Optuna's directions, one per objective (the Optuna study's own)."
+    )
     search_space: dict[str, Any] | None
     sampler: dict[str, Any]
     pruner: dict[str, Any] | None
+    driver: Literal["service", "client"] = "service"
     max_array_size: int | None
     state: StudyState
     created_at: datetime
     completed_at: datetime | None
     trial_counts: dict[str, int] = Field(default_factory=dict)
-    best_trial: BestTrial | None = None
+    best_trial: BestTrial | None = Field(None, description="Single-objective studies: the best COMPLETE trial.")
+    best_trials: list[BestTrial] = Field(
+        default_factory=list, description="Multi-objective studies: the Pareto front of COMPLETE trials (Optuna's best_trials)."
+    )
+    metrics: list[str] = Field(default_factory=list, description="The objectives, in order; the first is the intermediate value.")
+    optimizer: dict[str, Any] | None = None
+    lr_scheduler: dict[str, Any] | None = None
+    warmup_epochs: int | None = None
+    max_norm: float | None = None
+    amp: bool | None = None
+    user_attrs: dict[str, Any] = Field(default_factory=dict, description="The Optuna study's user attrs.")
+    system_attrs: dict[str, Any] = Field(default_factory=dict, description="The Optuna study's system attrs.")
     fusion_sampler: bool = True
 
     @model_validator(mode="after")
@@ -180,6 +393,12 @@ class TrialOut(BaseModel):
     intermediate_values: dict[int, float] = Field(
         default_factory=dict, description="Validation metric after each epoch (epoch index -> value)."
     )
+    values: list[float] | None = Field(None, description="Optuna's values: one per objective, once finished.")
+    distributions: dict[str, Any] = Field(
+        default_factory=dict, description="Each param's distribution, as optuna.distributions.distribution_to_json."
+    )
+    user_attrs: dict[str, Any] = Field(default_factory=dict)
+    system_attrs: dict[str, Any] = Field(default_factory=dict)
     array_id: int | None
     signature: str
     error: str | None
@@ -207,6 +426,32 @@ class ArrayOut(BaseModel):
     error: str | None
     created_at: datetime
     completed_at: datetime | None
+
+
+class TrialEnqueue(BaseModel):
+    """Optuna's ``study.enqueue_trial``: a trial with fixed params, asked at once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    params: dict[str, Any] = Field(description="Fixed params; any the search space suggests besides are sampled.")
+    user_attrs: dict[str, Any] = Field(default_factory=dict)
+
+
+class PruningDecision(BaseModel):
+    """A client-driven study's decision on a trial's intermediate value at ``step``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=0, le=2**31 - 1)
+    prune: bool
+
+
+class AttrValue(BaseModel):
+    """The value of one user attr: any JSON value, as Optuna's ``set_user_attr`` takes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    value: Any
 
 
 _WEIGHT = {"gt": 0, "le": 1e6, "description": "Shares of the cluster (2.0 = twice a weight-1 tenant's)."}

@@ -6,7 +6,10 @@ the transactions over fusetune's tables and Optuna's storage.
 
 from __future__ import annotations
 
+import json
 import uuid
+import warnings
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from sqlalchemy import func, select
@@ -15,8 +18,12 @@ from sqlalchemy.orm import Session
 
 from fusetune.server.db import Array, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
 from fusetune.server.optuna_specs import make_sampler
-from fusetune.server.schemas import ArrayOut, BestTrial, StudyCreate, StudyOut, TrialOut
-from fusetune.workers.workloads import UnknownWorkloadError, get_workload
+from fusetune.server.schemas import TRAINING_ATTR, ArrayOut, BestTrial, PruningDecision, StudyCreate, StudyOut, TrialEnqueue, TrialOut
+from fusetune.workers.spec import TrainingSpec
+from fusetune.workers.workloads import available_workloads, UnknownWorkloadError, get_workload
+
+if TYPE_CHECKING:
+    from fusetune.server.coordinator import Coordinator
 
 # Scoping: functions that read or change a tenant's resources take ``as_tenant``, the tenant
 # the caller acts for (None: the admin, or an operator calling in-process, who see every
@@ -39,6 +46,10 @@ class Conflict(ValueError):
         super().__init__(message)
         self.field = field
         self.where = where
+
+
+class Unavailable(RuntimeError):
+    """The service cannot do this now (a 503): its scheduling loop is not running."""
 
 
 class Invalid(ValueError):
@@ -98,28 +109,37 @@ def create_study(
     if session.scalar(select(Study.id).where(Study.name == name)) is not None:
         raise Conflict("name", f"a study named {name!r} already exists")
     storage = get_optuna_storage(url)
-    direction = request.direction or workload.direction
+    try:
+        directions = request.objective_directions(workload)
+    except KeyError as exc:  # a module-path workload: the schema could not check its metrics
+        raise Invalid("metrics", str(exc.args[0])) from exc
     try:
         optuna_study = optuna.create_study(
             study_name=name,
             storage=storage,
-            direction=direction,
+            directions=directions,
             sampler=make_sampler(request.sampler.name, request.sampler.kwargs),
         )
     except optuna.exceptions.DuplicatedStudyError as exc:
         raise Conflict("name", f"an Optuna study named {name!r} already exists") from exc
+    try:
+        _store_objectives_and_training(optuna_study, request)
+    except Exception:
+        optuna.delete_study(study_name=name, storage=storage)
+        raise
     study = Study(
         name=name,
         tenant=tenant.name,
         workload=request.workload,
         n_trials=request.n_trials,
         epochs=request.epochs,
-        direction=direction,
+        direction=directions[0],  # the first objective's; the Optuna study holds them all
         search_space=request.search_space,
         # The FusionSampler opt-out rides in the sampler spec, so no column: absent means on.
         sampler={**request.sampler.model_dump(), **({} if request.fusion_sampler else {"fusion": False})},
         pruner=request.pruner.model_dump() if request.pruner else None,
         max_array_size=request.max_array_size,
+        driver=request.driver,
         optuna_study_id=optuna_study._study_id,
     )
     session.add(study)
@@ -132,13 +152,31 @@ def create_study(
     return _study_out(session, url, study)
 
 
-def list_studies(session: Session, url: str, tenant: str | None = None, *, as_tenant: str | None = None) -> list[StudyOut]:
-    """Studies, optionally of one tenant; a tenant sees only its own."""
+def _store_objectives_and_training(optuna_study: optuna.Study, request: StudyCreate) -> None:
+    """Name the objectives in Optuna and keep the study's training settings in its system attrs.
+
+    Nothing is stored for a study that sets none of them, so such a study looks as before.
+    """
+    if request.metrics:
+        with warnings.catch_warnings():  # set_metric_names is "experimental" since Optuna 3.2
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna_study.set_metric_names(list(request.metrics))
+    training = request.training_spec()
+    if training != TrainingSpec():
+        optuna_study._storage.set_study_system_attr(optuna_study._study_id, TRAINING_ATTR, training.to_json())
+
+
+def list_studies(
+    session: Session, url: str, tenant: str | None = None, name: str | None = None, *, as_tenant: str | None = None
+) -> list[StudyOut]:
+    """Studies, optionally of one tenant or by name; a tenant sees only its own."""
     query = select(Study).order_by(Study.id)
     if as_tenant is not None:
         query = query.where(Study.tenant == as_tenant)
     if tenant is not None:
         query = query.where(Study.tenant == tenant)
+    if name is not None:
+        query = query.where(Study.name == name)
     return [_study_out(session, url, s) for s in session.scalars(query)]
 
 
@@ -160,15 +198,38 @@ def _study_out(session: Session, url: str, study: Study) -> StudyOut:
         ).all()
     )
     out = StudyOut.model_validate(study)
+    storage = get_optuna_storage(url)
+    out.directions = [d.name.lower() for d in storage.get_study_directions(study.optuna_study_id)]
+    out.user_attrs = storage.get_study_user_attrs(study.optuna_study_id)
+    out.system_attrs = storage.get_study_system_attrs(study.optuna_study_id)
     out.trial_counts = {state.value: counts.get(state, 0) for state in TrialState}
     complete = session.scalars(
         select(Trial).where(Trial.study_id == study.id, Trial.state == TrialState.COMPLETE)
     ).all()
-    if complete:
+    stored = get_optuna_storage(url).get_study_system_attrs(study.optuna_study_id).get(TRAINING_ATTR)
+    training = TrainingSpec.from_json(stored)
+    _training_out(out, study, training)
+    if complete and len(training.metrics) > 1:
+        # Optuna's own Pareto front (best_trials), read through its RDB storage.
+        loaded = optuna.load_study(study_name=study.name, storage=get_optuna_storage(url), sampler=optuna.samplers.RandomSampler())
+        out.best_trials = [
+            BestTrial(number=t.number, value=t.values[0], params=t.params, values=list(t.values)) for t in loaded.best_trials
+        ]
+    elif complete:
         pick = max if study.direction == "maximize" else min
         best = pick(complete, key=lambda t: t.value)
-        out.best_trial = BestTrial(number=best.number, value=best.value, params=best.params)
+        out.best_trial = BestTrial(number=best.number, value=best.value, params=best.params, values=[best.value])
     return out
+
+
+def _training_out(out: StudyOut, study: Study, training: TrainingSpec) -> None:
+    """The study's objectives and training settings on its ``StudyOut``."""
+    stored = training.to_json()
+    out.optimizer, out.lr_scheduler = stored["optimizer"], stored["lr_scheduler"]
+    out.warmup_epochs, out.max_norm, out.amp = training.warmup_epochs, training.max_norm, training.amp
+    out.metrics = list(training.metrics)
+    if not out.metrics and study.workload in available_workloads():  # never imports a module-path workload
+        out.metrics = [get_workload(study.workload).metric_name]
 
 
 def list_trials(session: Session, url: str, study_id: int, *, as_tenant: str | None = None) -> list[TrialOut]:
@@ -179,12 +240,78 @@ def list_trials(session: Session, url: str, study_id: int, *, as_tenant: str | N
         for t in get_optuna_storage(url).get_all_trials(study.optuna_study_id, deepcopy=False)
     }
     trials = session.scalars(select(Trial).where(Trial.study_id == study_id).order_by(Trial.number))
-    out = []
-    for t in trials:
-        trial = TrialOut.model_validate(t)
-        if t.optuna_trial_id in frozen:
-            trial.intermediate_values = dict(frozen[t.optuna_trial_id].intermediate_values)
-        out.append(trial)
+    return [_trial_out(t, frozen.get(t.optuna_trial_id)) for t in trials]
+
+
+def get_trial(session: Session, url: str, trial_id: int, *, as_tenant: str | None = None) -> TrialOut:
+    """One trial, with what Optuna's storage holds of it."""
+    trial = _trial(session, trial_id, as_tenant)
+    return _trial_out(trial, get_optuna_storage(url).get_trial(trial.optuna_trial_id))
+
+
+def set_study_user_attr(
+    session: Session, url: str, study_id: int, key: str, value: Any, *, as_tenant: str | None = None
+) -> StudyOut:
+    """Optuna's ``study.set_user_attr``, on the service's study."""
+    study = _study(session, study_id, as_tenant)
+    get_optuna_storage(url).set_study_user_attr(study.optuna_study_id, key, value)
+    return _study_out(session, url, study)
+
+
+def enqueue_trial(
+    session: Session,
+    url: str,
+    coordinator: Coordinator | None,
+    study_id: int,
+    request: TrialEnqueue,
+    *,
+    as_tenant: str | None = None,
+) -> TrialOut:
+    """Optuna's ``study.enqueue_trial``: the study's next trial, with these params, asked at once."""
+    study = _study(session, study_id, as_tenant)
+    if coordinator is None:
+        raise Unavailable("the scheduling loop is not running; trials cannot be asked")
+    trial = coordinator.call(lambda: coordinator.enqueue(study.id, request.params, request.user_attrs))
+    return _trial_out(trial, get_optuna_storage(url).get_trial(trial.optuna_trial_id))
+
+
+def decide_pruning(
+    session: Session,
+    url: str,
+    coordinator: Coordinator | None,
+    trial_id: int,
+    decision: PruningDecision,
+    *,
+    as_tenant: str | None = None,
+) -> TrialOut:
+    """A client-driven study's pruning decision on the trial's report at ``decision.step``."""
+    trial = _trial(session, trial_id, as_tenant)
+    if trial.study.driver != "client":
+        raise Conflict("trial_id", f"trial {trial_id} belongs to a study whose own pruner decides", where="path")
+    if coordinator is None:
+        raise Unavailable("the scheduling loop is not running; no array awaits decisions")
+    coordinator.call(lambda: coordinator.decide(trial.id, decision.step, decision.prune))
+    session.expire_all()
+    return get_trial(session, url, trial_id, as_tenant=as_tenant)
+
+
+def _trial(session: Session, trial_id: int, as_tenant: str | None = None) -> Trial:
+    trial = session.get(Trial, trial_id)
+    if trial is None or (as_tenant is not None and trial.study.tenant != as_tenant):
+        raise NotFound(f"trial {trial_id} does not exist")
+    return trial
+
+
+def _trial_out(trial: Trial, frozen: optuna.trial.FrozenTrial | None) -> TrialOut:
+    out = TrialOut.model_validate(trial)
+    if frozen is not None:
+        out.intermediate_values = dict(frozen.intermediate_values)
+        out.values = frozen.values
+        out.distributions = {
+            name: json.loads(optuna.distributions.distribution_to_json(d)) for name, d in frozen.distributions.items()
+        }
+        out.user_attrs = frozen.user_attrs
+        out.system_attrs = frozen.system_attrs
     return out
 
 

@@ -6,14 +6,23 @@ routes on tenant resources pass the caller's tenant to the service as ``as_tenan
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query, Request, status
+from fastapi import APIRouter, Depends, Path, Query, Request, status
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from fusetune.server import service
 from fusetune.server.api.deps import authenticate, get_app_settings, get_session, get_url
 from fusetune.server.auth import Principal
-from fusetune.server.schemas import ArrayOut, Health, StudyCreate, StudyOut, TrialOut
+from fusetune.server.schemas import (
+    ArrayOut,
+    AttrValue,
+    Health,
+    PruningDecision,
+    StudyCreate,
+    StudyOut,
+    TrialEnqueue,
+    TrialOut,
+)
 from fusetune.server.settings import Settings
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -42,11 +51,12 @@ def create_study(
 @router.get("/studies", response_model=list[StudyOut], tags=["studies"])
 def list_studies(
     tenant: str | None = Query(None, description="Only this tenant's (a tenant's token sees only its own anyway)."),
+    name: str | None = Query(None, min_length=1, max_length=255, description="Only the study of this name."),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
 ) -> list[StudyOut]:
-    return service.list_studies(session, url, tenant, as_tenant=principal.tenant)
+    return service.list_studies(session, url, tenant, name, as_tenant=principal.tenant)
 
 
 @router.get("/studies/{study_id}", response_model=StudyOut, tags=["studies"])
@@ -68,6 +78,59 @@ def list_trials(
 ) -> list[TrialOut]:
     """Every trial: params, state, per-epoch validation metric, final value and its array."""
     return service.list_trials(session, url, study_id, as_tenant=principal.tenant)
+
+
+@router.get("/trials/{trial_id}", response_model=TrialOut, tags=["trials"])
+def get_trial(
+    trial_id: int,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> TrialOut:
+    """One trial: params and their distributions, state, values, intermediate values, attrs."""
+    return service.get_trial(session, url, trial_id, as_tenant=principal.tenant)
+
+
+@router.post("/studies/{study_id}/trials", status_code=status.HTTP_201_CREATED, response_model=TrialOut, tags=["trials"])
+def enqueue_trial(
+    study_id: int,
+    body: TrialEnqueue,
+    request: Request,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> TrialOut:
+    """Optuna's ``enqueue_trial``: the study's next trial has these params; it counts in ``n_trials``."""
+    coordinator = getattr(request.app.state, "coordinator", None)
+    return service.enqueue_trial(session, url, coordinator, study_id, body, as_tenant=principal.tenant)
+
+
+@router.post("/trials/{trial_id}/pruning", response_model=TrialOut, tags=["trials"])
+def decide_pruning(
+    trial_id: int,
+    body: PruningDecision,
+    request: Request,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> TrialOut:
+    """A client-driven study's ``should_prune`` answer for the trial's value at ``step``;
+    the trial's array goes on once each member has its answer."""
+    coordinator = getattr(request.app.state, "coordinator", None)
+    return service.decide_pruning(session, url, coordinator, trial_id, body, as_tenant=principal.tenant)
+
+
+@router.put("/studies/{study_id}/user_attrs/{key}", response_model=StudyOut, tags=["studies"])
+def set_study_user_attr(
+    study_id: int,
+    body: AttrValue,
+    key: str = Path(min_length=1, max_length=512),
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> StudyOut:
+    """Optuna's ``study.set_user_attr(key, value)``."""
+    return service.set_study_user_attr(session, url, study_id, key, body.value, as_tenant=principal.tenant)
 
 
 @router.get("/arrays", response_model=list[ArrayOut], tags=["arrays"])
