@@ -118,6 +118,10 @@ def reweigh(world: World, actor: str) -> tuple[str, dict[str, Any]]:
     return "/api/v1/tenants/owner", {"json": {"weight": 2}}
 
 
+def user_attr(world: World, actor: str) -> tuple[str, dict[str, Any]]:
+    return f"/api/v1/studies/{world.study_id}/user_attrs/note", {"json": {"value": actor}}
+
+
 def trials_seen(world: World, actor: str, response: httpx.Response) -> None:
     if response.status_code == 200:
         assert [t["id"] for t in response.json()] == [world.trial_id]
@@ -138,6 +142,22 @@ RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/api/v1/studies/{study_id}/trials"): Rule(
         path("/api/v1/studies/{study_id}/trials"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED},
         trials_seen,
+    ),
+    ("GET", "/api/v1/trials/{trial_id}"): Rule(
+        path("/api/v1/trials/{trial_id}"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}
+    ),
+    ("PUT", "/api/v1/studies/{study_id}/user_attrs/{key}"): Rule(
+        user_attr, {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}
+    ),
+    # The API alone runs no scheduling loop: past the scoping, enqueueing is a 503, and pruning
+    # decisions on a study whose own pruner decides a 409; another tenant gets 404 before that.
+    ("POST", "/api/v1/studies/{study_id}/trials"): Rule(
+        lambda w, a: (f"/api/v1/studies/{w.study_id}/trials", {"json": {"params": {"lr": 0.1}}}),
+        {"owner": 503, "other": 404, "admin": 503, **UNAUTHENTICATED},
+    ),
+    ("POST", "/api/v1/trials/{trial_id}/pruning"): Rule(
+        lambda w, a: (f"/api/v1/trials/{w.trial_id}/pruning", {"json": {"step": 0, "prune": True}}),
+        {"owner": 409, "other": 404, "admin": 409, **UNAUTHENTICATED},
     ),
     ("GET", "/api/v1/arrays"): Rule(
         lambda w, a: ("/api/v1/arrays", {}), {"owner": 200, "other": 200, "admin": 200, **UNAUTHENTICATED}, sees("arrays")
@@ -244,6 +264,7 @@ def test_another_tenants_ids_read_as_missing_ones(world: World) -> None:
     for template, real in [
         ("/api/v1/studies/{}", world.study_id),
         ("/api/v1/studies/{}/trials", world.study_id),
+        ("/api/v1/trials/{}", world.trial_id),
     ]:
         foreign = other.get(template.format(real))
         absent = other.get(template.format(missing))
