@@ -8,6 +8,7 @@ the database, Optuna and the worker pool.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from fusetune.client.samplers import FusionSampler
+from fusetune.client.samplers import FusionSampler, non_fusible_params
 from fusetune.scheduler import (
     Device,
     PendingTrial,
@@ -108,6 +109,9 @@ def trial_signature(
     return shape_signature(model, settings).digest
 
 
+_NON_FUSIBLE: dict[tuple[str, str], frozenset[str]] = {}  # (workload, search space) -> its non-fusible params
+
+
 def study_sampler(study: Study, settings: Settings) -> optuna.samplers.BaseSampler:
     """The sampler the service asks a study's trials from, built from the study's spec.
 
@@ -124,14 +128,18 @@ def study_sampler(study: Study, settings: Settings) -> optuna.samplers.BaseSampl
     if not study.sampler.get("fusion", True):
         return sampler
     workload = get_workload(study.workload)
+    # Deriving them probes ~150 signatures (0.5 s on the 2-core machine): once per workload
+    # and space in a process, not once per study, or every study's first array waits for it.
+    # A study's epochs are the same for all its trials, so they never change the answer.
+    key = (study.workload, json.dumps(study.search_space, sort_keys=True))
     try:
-        return FusionSampler.for_workload(
-            sampler,
-            workload,
-            group_size=study.max_array_size or settings.max_array_size,
-            distributions=parse_search_space(study.search_space) if study.search_space else None,
-            signature=lambda params: trial_signature(workload, study, params),
-        )
+        if key not in _NON_FUSIBLE:
+            _NON_FUSIBLE[key] = non_fusible_params(
+                workload,
+                distributions=parse_search_space(study.search_space) if study.search_space else None,
+                signature=lambda params: trial_signature(workload, study, params),
+            )
+        return FusionSampler(sampler, non_fusible=_NON_FUSIBLE[key], group_size=study.max_array_size or settings.max_array_size)
     except ValueError as exc:
         # No probe of the space built a model: its trials will fail one by one with their
         # own errors, as they do without FusionSampler; the study must not stop asking.
