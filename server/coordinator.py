@@ -109,10 +109,22 @@ def trial_signature(
     return shape_signature(model, settings).digest
 
 
+def group_size(study: Study, settings: Settings, devices: int) -> int:
+    """How many trials FusionSampler gives one set of shape-changing values: one device's array.
+
+    A batch of asks fills every device (``devices`` × the array size, at most ``n_trials``);
+    each group fills one device, so a sweep that fits on the devices at once still explores
+    as many shapes as there are devices, instead of one shape in one group of the array size.
+    """
+    cap = study.max_array_size or settings.max_array_size
+    batch = min(study.n_trials, settings.ask_batch or devices * cap)
+    return max(1, min(cap, math.ceil(batch / max(1, devices))))
+
+
 _NON_FUSIBLE: dict[tuple[str, str], frozenset[str]] = {}  # (workload, search space) -> its non-fusible params
 
 
-def study_sampler(study: Study, settings: Settings) -> optuna.samplers.BaseSampler:
+def study_sampler(study: Study, settings: Settings, devices: int = 1) -> optuna.samplers.BaseSampler:
     """The sampler the service asks a study's trials from, built from the study's spec.
 
     Unless the study opted out (``fusion_sampler``), it is a :class:`FusionSampler` around
@@ -139,7 +151,7 @@ def study_sampler(study: Study, settings: Settings) -> optuna.samplers.BaseSampl
                 distributions=parse_search_space(study.search_space) if study.search_space else None,
                 signature=lambda params: trial_signature(workload, study, params),
             )
-        return FusionSampler(sampler, non_fusible=_NON_FUSIBLE[key], group_size=study.max_array_size or settings.max_array_size)
+        return FusionSampler(sampler, non_fusible=_NON_FUSIBLE[key], group_size=group_size(study, settings, devices))
     except ValueError as exc:
         # No probe of the space built a model: its trials will fail one by one with their
         # own errors, as they do without FusionSampler; the study must not stop asking.
@@ -345,7 +357,7 @@ class Coordinator:
         would repeat its first suggestion.
         """
         if study.id not in self._mirrors:
-            sampler = study_sampler(study, self.settings)
+            sampler = study_sampler(study, self.settings, len(self.pool.workers))
             pruner = (
                 make_pruner(study.pruner["name"], study.pruner.get("kwargs")) if study.pruner else optuna.pruners.NopPruner()
             )

@@ -40,7 +40,7 @@ def url(tmp_path: Path) -> str:
 
 def create(url: str, **request: object) -> Study:
     with get_sessionmaker(url)() as session:
-        out = service.create_study(session, url, StudyCreate(workload="digits-mlp", n_trials=8, **request))
+        out = service.create_study(session, url, StudyCreate(**{"workload": "digits-mlp", "n_trials": 8, **request}))
         study = session.scalar(select(Study).where(Study.id == out.id))
         session.expunge(study)
     return study
@@ -56,7 +56,13 @@ def test_service_studies_sample_with_fusion_sampler_unless_they_opt_out(url: str
 
     own_space = study_sampler(create(url, name="own-space", search_space=SPACE), settings)
     assert isinstance(own_space, FusionSampler)
-    assert own_space.group_size == 16 and own_space.non_fusible == {"hidden", "batch_size"}
+    # 8 trials fit one device's array of 16: one group of 8.
+    assert own_space.group_size == 8 and own_space.non_fusible == {"hidden", "batch_size"}
+    # A group fills one device: 64 trials asked at once over 2 devices are 2 groups of 32,
+    # so the sweep explores two shapes, not one shape in one group of the array size.
+    wide = create(url, name="wide", n_trials=64)
+    assert study_sampler(wide, Settings(database_url=url, max_array_size=64), devices=2).group_size == 32
+    assert study_sampler(wide, Settings(database_url=url, max_array_size=16), devices=2).group_size == 16
 
     plain = study_sampler(create(url, name="plain", fusion_sampler=False), settings)
     assert isinstance(plain, optuna.samplers.TPESampler)
