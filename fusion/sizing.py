@@ -197,6 +197,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def memory_model(
+    model_factory: Callable[[], nn.Module],
+    example_input: torch.Tensor,
+    example_target: torch.Tensor,
+    *,
+    device: str | torch.device = "cpu",
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
+    optimizer: OptimizerName = "adam",
+    lr: float = 1e-3,
+) -> tuple[int, int]:
+    """The memory model of an array of ``model_factory()`` members: ``(base, member)`` bytes,
+    bytes(B) = base + B * member, fitted from one training step of fused arrays at B = 1 and 2
+    (CUDA: the allocator's peak; CPU: parameters, gradients, optimizer state and the tensors
+    autograd saves for backward). :func:`size_array` sizes arrays with it; the service caps
+    arrays by it when workers have a memory budget (``FUSETUNE_WORKER_MEMORY_BYTES``).
+    """
+    dev = torch.device(device)
+    if optimizer not in _FUSED_OPT:
+        raise FusionError(f"optimizer must be one of {sorted(_FUSED_OPT)}, got {optimizer!r}")
+    x, y = example_input.to(dev), example_target.to(dev)
+    sizes = []
+    for b in (1, 2):
+        array = _Array(model_factory, b, dev, optimizer, lr, x, y, loss_fn)
+        sizes.append(_measure_bytes(array, dev))
+        del array
+    member = max(sizes[1] - sizes[0], 1)
+    return max(sizes[0] - member, 0), member
+
+
 def choose_members(speedup: dict[int, float], min_gain: float) -> tuple[int, bool]:
     """The B to run from measured speed-ups (fused / unfused by B): (B, fusion pays).
 
@@ -261,14 +290,7 @@ def size_array(
 
     x = example_input.to(dev)
     y = example_target.to(dev)
-    # Memory model from B = 1 and B = 2.
-    sizes = []
-    for b in (1, 2):
-        array = _Array(model_factory, b, dev, optimizer, lr, x, y, loss_fn)
-        sizes.append(_measure_bytes(array, dev))
-        del array
-    member = max(sizes[1] - sizes[0], 1)
-    base = max(sizes[0] - member, 0)
+    base, member = memory_model(model_factory, x, y, device=dev, loss_fn=loss_fn, optimizer=optimizer, lr=lr)
     available = memory_limit if memory_limit is not None else _available_bytes(dev)
     limit = int(available * (1.0 - headroom))
     fitting = [b for b in cands if base + b * member <= limit]

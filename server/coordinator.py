@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 import math
 import queue
@@ -24,6 +24,7 @@ import optuna
 import torch
 from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, func, select, update
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from fusetune.client.samplers import FusionSampler, non_fusible_params
@@ -57,8 +58,7 @@ from fusetune.server.mirror import StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
 from fusetune.server.service import Conflict
-from fusetune.server.settings import Settings
-from fusetune.workers.checkpoints import checkpoint_path
+from fusetune.server.settings import Settings, artifact_uri
 from fusetune.workers.pool import Event, WorkerHandle, WorkerPool
 from fusetune.workers.optimization import resolve
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
@@ -70,6 +70,21 @@ _MAX_RESUMES = 3  # a trial whose workers keep dying fails instead of crashing w
 _T = TypeVar("_T")
 # While a client's pruning decisions are awaited, the loop looks at its inbox this often.
 _DECISION_POLL_S = 0.01
+# While the database is unreachable the loop retries at most this far apart.
+_MAX_DB_RETRY_S = 5.0
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it, e.g. under Optuna's StorageInternalError) says the
+    database cannot be reached now: worth retrying, unlike a bug or bad data."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)):
+            return True
+        if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 @dataclass
@@ -159,6 +174,24 @@ def study_sampler(study: Study, settings: Settings, devices: int = 1) -> optuna.
         return sampler
 
 
+def array_memory_model(workload: Workload, params: Mapping[str, Any]) -> tuple[int, int]:
+    """Bytes an array of these params' class needs: ``(base, member)``, bytes(B) = base + B * member.
+
+    The fusion engine's memory model (``fusion.sizing.memory_model``): fused arrays of one and
+    two members take a training step on the CPU on one of the workload's batches, counting
+    parameters, gradients, optimizer state and what autograd saves for backward.
+    """
+    from fusetune.fusion.sizing import memory_model
+
+    x, y = workload.datasets()[0].tensors
+    batch = workload.batch_size_for(params)
+    name = resolve(workload, None, params).optimizer.lower()
+    return memory_model(
+        lambda: workload.build_model(params), x[:batch], y[:batch], loss_fn=workload.loss,
+        optimizer=name if name in ("sgd", "adam", "adamw") else "adam",
+    )
+
+
 def _class_of(trial: Trial) -> str:
     """The scheduler's fusion key of a trial: its signature, within its study.
 
@@ -191,6 +224,12 @@ class Coordinator:
         self._worker_ids: dict[str, int] = {}
         self._running: dict[str, Placement] = {}  # device -> the array the scheduler placed there
         self._resumes: dict[int, int] = {}  # trial id -> times re-queued from a checkpoint
+        # Worker events not yet written (the database was unreachable), oldest first.
+        self._backlog: deque[Event] = deque()
+        self._reregister = False  # workers changed: write them to ft_workers at the next step
+        # Largest array of a class on a device type since an array of it ran out of memory there.
+        self._oom_caps: dict[tuple[str, str], int] = {}
+        self._memory_models: dict[str, tuple[int, int]] = {}  # signature -> (base, member) bytes
         self._live: dict[int, _Live] = {}  # array id -> what reports need of the arrays running now
         # Measured models·steps/s by (signature, device type) and B: ft_throughput, in memory.
         self._points: dict[tuple[str, str], dict[int, float]] = {}
@@ -253,32 +292,49 @@ class Coordinator:
 
     def _loop(self) -> None:
         next_step = 0.0
+        failures = 0  # database errors in a row
         while not self._stop.is_set():
             try:
+                self.pool.heartbeat()  # a hung worker is killed; its stream then says so
                 self._run_inbox()
+                if self._backlog:
+                    self._handle(())  # what the database refused earlier, in order, first
                 if self._wake.is_set() or time.monotonic() >= next_step:
                     self._wake.clear()
                     self.step()
                     next_step = time.monotonic() + self.settings.poll_interval_s
+                failures = 0
                 timeout = max(0.0, next_step - time.monotonic())
                 if self._awaiting:
                     timeout = min(timeout, _DECISION_POLL_S)
+                timeout = min(timeout, self.settings.heartbeat_interval_s)
                 if self.pool.idle() != self.pool.workers:
                     if self._handle(self.pool.wait(timeout)):
                         next_step = 0.0  # a worker or slots are free for waiting trials
                 else:
                     self._wake.wait(timeout)
-            except Exception:  # keep scheduling; the error is in the log and the next step retries
-                log.exception("scheduling step failed")
-                self._stop.wait(self.settings.poll_interval_s)
+            except Exception as exc:  # keep scheduling; the error is in the log and the next step retries
+                if not database_unavailable(exc):
+                    log.exception("scheduling step failed")
+                    self._stop.wait(self.settings.poll_interval_s)
+                    continue
+                # The database is unreachable: workers train on, their reports wait in the
+                # backlog (nothing is lost), and the loop retries with a growing delay.
+                failures += 1
+                delay = min(_MAX_DB_RETRY_S, self.settings.db_retry_s * 2 ** min(failures - 1, 10))
+                log.warning("database unavailable (%s): %d reports wait; retrying in %.1f s",
+                            type(exc).__name__, len(self._backlog), delay)
+                self._stop.wait(delay)
 
     def step(self) -> None:
         """One round: take the workers' reports, start arrays on idle workers, ask for new trials."""
         if time.monotonic() >= self._next_refresh:
-            # Accelerator nodes may join the Ray cluster after the service started.
-            if self.pool.refresh():
-                self._register_workers()
+            # Nodes may join or leave the Ray cluster after the service started.
+            self._reregister = bool(self.pool.refresh()) or self._reregister
             self._next_refresh = time.monotonic() + self.settings.device_refresh_s
+        if self._reregister:  # new workers, or replacement actors in new processes
+            self._register_workers()
+            self._reregister = False
         self._handle(self.pool.wait(0))
         with self.sessions() as session:
             studies = session.scalars(
@@ -296,29 +352,43 @@ class Coordinator:
                 self._maybe_complete(session, study)
 
     def _handle(self, events: Sequence[Event]) -> bool:
-        """Answer epoch reports and record ended arrays.
+        """Answer epoch reports and record ended arrays, in the order the workers said them.
 
         Returns whether a slot was freed (an array ended, or members left one), so that the
         next scheduling round comes at once: backfill then offers the freed slots to waiting
         trials before the array's next epoch boundary but one.
+
+        An event whose transaction fails because the database is unreachable stays at the
+        head of the backlog, with every event after it, and is written again by the next
+        call (its reply waits for it): no report or outcome is lost, and each array's are
+        written in order. An event that fails for another reason is logged and dropped.
         """
+        self._backlog.extend(events)
         ended = False
-        for worker, spec, item in events:
-            if isinstance(item, EpochReport):
-                reply = self._record_epoch(worker, item)
-                if reply is None:  # the client decides: the reply goes when it has
-                    ended = ended or bool(item.released or any(m.state for m in item.members))
-                    continue
-                if spec.prunes:
-                    self.pool.reply(worker, reply)
-                ended = ended or bool(reply.prune or item.released or any(m.state for m in item.members))
-            else:
-                self._awaiting.pop(spec.array_id, None)
-                self._record(worker, spec, item)
-                ended = True
-                if isinstance(item, BaseException):
-                    self._register_workers()  # replacement actors run in new processes
+        while self._backlog:
+            worker, spec, item = self._backlog[0]
+            try:
+                ended = self._handle_one(worker, spec, item) or ended
+            except Exception as exc:
+                if database_unavailable(exc):
+                    raise
+                log.exception("array %d: could not record %s", spec.array_id, type(item).__name__)
+            self._backlog.popleft()
         return ended
+
+    def _handle_one(self, worker: WorkerHandle, spec: ArraySpec, item: EpochReport | ArrayOutcome | BaseException) -> bool:
+        if isinstance(item, EpochReport):
+            reply = self._record_epoch(worker, item)
+            if reply is None:  # the client decides: the reply goes when it has
+                return bool(item.released or any(m.state for m in item.members))
+            if spec.prunes:
+                self.pool.reply(worker, reply)
+            return bool(reply.prune or item.released or any(m.state for m in item.members))
+        self._awaiting.pop(spec.array_id, None)
+        self._record(worker, spec, item)
+        if isinstance(item, BaseException):
+            self._reregister = True  # replacement actors run in new processes
+        return True
 
     # -- workers -------------------------------------------------------------------------------
     def _register_workers(self) -> None:
@@ -505,6 +575,7 @@ class Coordinator:
                 starts[placement.signature] -= 1
                 fits = self.scheduler.throughput.curve(placement.signature, worker.device_type).memory_cap(worker.memory_bytes)
                 cap = max(cap, min(limit, share, fits))
+                cap = min(cap, self._size_cap(placement.signature, worker, queue[0].trial_id, waiting))
                 members = [waiting.pop(i)[0] for i in pack(queue, cap)[0].trial_ids]
                 self._start_array(session, study, worker, members)
                 self._running[worker.name] = Placement(
@@ -595,7 +666,9 @@ class Coordinator:
         log.info("array %d: %d trials join at the next epoch boundary", array_id, len(trials))
 
     def _start_array(self, session: Session, study: Study, worker: WorkerHandle, trials: list[Trial]) -> None:
-        array = Array(study_id=study.id, signature=trials[0].signature, worker_id=self._worker_ids.get(worker.name))
+        array = Array(
+            study_id=study.id, signature=trials[0].signature, worker_id=self._worker_ids.get(worker.name), node=worker.node_id or None
+        )
         array.members = [ArrayMember(slot=i, trial_id=t.id) for i, t in enumerate(trials)]
         session.add(array)
         session.flush()
@@ -611,7 +684,7 @@ class Coordinator:
             epochs=study.epochs,
             members=tuple(MemberSpec(t.id, t.optuna_trial_id, t.number, dict(t.params)) for t in trials),
             seed=array.id,
-            artifact_dir=str(self.settings.artifact_dir.resolve()),
+            artifact_dir=artifact_uri(self.settings),
             checkpoint_frequency=self.settings.checkpoint_frequency,
             checkpoint_interval_s=self.settings.checkpoint_interval_s,
             # The class's solo speed is the B = 1 point of its curve: measured once per
@@ -641,6 +714,7 @@ class Coordinator:
         control plane knows of the array (:class:`_Live`) spares the transaction any read.
         """
         live = self._live[report.array_id]
+        before = (live.epochs_done, dict(live.timings), dict(live.checkpoints))  # restored if the write fails
         prune: set[int] = set()
         awaiting: dict[int, int] = {}
         with self.sessions() as session:
@@ -659,7 +733,9 @@ class Coordinator:
                     if joined.resumed_at_epoch is not None:  # one entry per move or crash
                         before = mirror.trial(optuna_id[joined.trial_id]).user_attrs.get("resumed_at_epochs", [])
                         mirror.set_user_attrs(session, optuna_id[joined.trial_id], {"resumed_at_epochs": [*before, joined.resumed_at_epoch]})
+                self._truncate_resumed(session, mirror, report, optuna_id)
                 mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
+                self._note_checkpoints(session, live, report)
                 for member in report.members:
                     trial_id = optuna_id[member.trial_id]
                     if member.state == "COMPLETE":
@@ -695,6 +771,7 @@ class Coordinator:
             except Exception:
                 session.rollback()
                 self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
+                live.epochs_done, live.timings, live.checkpoints = before  # so that a retry writes the same
                 raise
         if awaiting:
             self._awaiting[report.array_id] = _Awaiting(worker, awaiting)
@@ -740,6 +817,61 @@ class Coordinator:
 
     def _mirror_of(self, session: Session, study_id: int) -> StudyMirror:
         return self._mirrors.get(study_id) or self._mirror(session.get(Study, study_id))
+
+    def _truncate_resumed(self, session: Session, mirror: StudyMirror, report: EpochReport, optuna_id: Mapping[int, int]) -> None:
+        """Members that (re)started at an epoch drop the values stored from there on.
+
+        Those steps were trained after the checkpoint it resumed from (or, from scratch, at
+        all) by weights that are gone; the member reports them again as it retrains them.
+        So each (trial, step) is stored once, and the stored curve is the curve of the
+        weights the trial ends with, even if it ends (pruned) before reaching the old steps.
+        How many such epochs each trial retrains adds up in its user attr ``epochs_retrained``.
+        """
+        for joined in report.joined:
+            trial_id = optuna_id[joined.trial_id]
+            dropped = mirror.truncate(session, trial_id, joined.resumed_at_epoch or 0)
+            if dropped:
+                done = mirror.trial(trial_id).user_attrs.get("epochs_retrained", 0)
+                mirror.set_user_attrs(session, trial_id, {"epochs_retrained": done + dropped})
+
+    def _note_checkpoints(self, session: Session, live: _Live, report: EpochReport) -> None:
+        """Keep in ft_trials each member's newest complete checkpoint, as its worker reported it."""
+        for member in report.members:
+            epoch = member.checkpoint_epoch
+            if epoch is not None and member.state is None and live.checkpoints.get(member.trial_id) != epoch:
+                session.execute(update(Trial).where(Trial.id == member.trial_id).values(checkpoint_epoch=epoch))
+                live.checkpoints[member.trial_id] = epoch
+
+    def _split_on_oom(self, session: Session, worker: WorkerHandle, array: Array, result: ArrayOutcome | BaseException) -> bool:
+        """An array that ran out of memory with more than one member is split: True.
+
+        Its class's arrays on this device type are capped at half its size from now on,
+        and its members wait again, to train in the halves (from their checkpoints).
+        """
+        if not isinstance(result, ArrayOutcome) or not result.oom:
+            return False
+        running = session.scalar(
+            select(func.count()).where(Trial.array_id == array.id, Trial.state == TrialState.RUNNING)
+        )
+        if running < 2:
+            return False  # one member alone does not fit: it fails with the error
+        key = (f"{array.signature}@{array.study_id}", worker.device_type)
+        self._oom_caps[key] = min(self._oom_caps.get(key, running), max(1, running // 2))
+        log.warning("array %d ran out of memory with %d members: retrying in arrays of %d", array.id, running, self._oom_caps[key])
+        return True
+
+    def _size_cap(self, cls: str, worker: WorkerHandle, trial_id: int, waiting: Mapping[int, tuple[Trial, Study]]) -> int:
+        """The most members an array of ``cls`` may have on ``worker``: half of the size that ran out
+        of memory there, and with a memory budget, what the fusion engine's memory model fits in it."""
+        cap = self._oom_caps.get((cls, worker.device_type), self.settings.max_array_size)
+        budget = self.settings.worker_memory_bytes
+        if budget is None:
+            return cap
+        trial, study = waiting[trial_id]
+        if trial.signature not in self._memory_models:
+            self._memory_models[trial.signature] = array_memory_model(get_workload(study.workload), trial.params)
+        base, member = self._memory_models[trial.signature]
+        return max(1, min(cap, (budget - base) // max(member, 1)))
 
     def _load_throughput(self) -> None:
         """The speeds measured by earlier arrays, also by an earlier process: no new dry runs."""
@@ -805,8 +937,14 @@ class Coordinator:
                 # Members still running when the array ended: those whose worker died resume
                 # from their checkpoint (at most _MAX_RESUMES times); the others fail with the error.
                 died = not isinstance(result, ArrayOutcome)
+                # Out of memory: the class's arrays on this device type are capped at half this
+                # size from now on, and the members wait again for the halves.
+                split = self._split_on_oom(session, worker, array, result)
+                died = died or split
                 for trial in session.scalars(select(Trial).where(Trial.array_id == array.id, Trial.state == TrialState.RUNNING)):
-                    resumable = spec.artifact_dir is not None and checkpoint_path(spec.artifact_dir, spec.study_name, trial.number).exists()
+                    # The worker reported a checkpoint of it (the store is never looked into); the
+                    # halves of an array that ran out of memory take every member, from scratch if need be.
+                    resumable = trial.checkpoint_epoch is not None or split
                     if died and resumable and self._resumes.get(trial.id, 0) < _MAX_RESUMES:
                         self._resumes[trial.id] = self._resumes.get(trial.id, 0) + 1
                         trial.state, trial.array_id, trial.started_at = TrialState.WAITING, None, None
@@ -858,3 +996,4 @@ class _Live:
     client_decides: bool = False  # a client-driven study: its client decides pruning
     epochs_done: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    checkpoints: dict[int, int] = field(default_factory=dict)  # trial id -> checkpoint epoch stored in ft_trials

@@ -22,6 +22,7 @@ Optuna's own RDB storage.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,7 +35,7 @@ from optuna.distributions import BaseDistribution, distribution_to_json
 from optuna.storages._rdb import models as rdb
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState as OptunaState
-from sqlalchemy import insert, update
+from sqlalchemy import delete, insert, update
 from sqlalchemy.orm import Session
 
 __all__ = ["AskedTrial", "StudyMirror"]
@@ -182,6 +183,27 @@ class StudyMirror:
                 new.append({"trial_id": trial_id, "step": step, "intermediate_value": stored, "intermediate_value_type": kind})
         if new:
             session.execute(insert(table), new)
+
+    def truncate(self, session: Session, trial_id: int, from_step: int) -> int:
+        """Drop the trial's intermediate values at ``from_step`` and later; returns how many.
+
+        A trial that resumes from a checkpoint at epoch ``from_step`` (0: from scratch) goes
+        on with the checkpoint's weights: what was reported after it came from weights that
+        are gone, and it reports those steps again as it retrains them.
+        """
+        memory_id = self._to_memory[trial_id]
+        stale = [s for s in self._memory.get_trial(memory_id).intermediate_values if s >= from_step]
+        if not stale:
+            return 0
+        table = rdb.TrialIntermediateValueModel.__table__
+        session.execute(delete(table).where(table.c.trial_id == trial_id, table.c.step >= from_step))
+        # InMemoryStorage has no call that removes a value: replace the trial's copy as its
+        # own setters do (under its lock, copy-on-write).
+        with self._memory._lock:
+            trial = copy.copy(self._memory._get_trial(memory_id))
+            trial.intermediate_values = {s: v for s, v in trial.intermediate_values.items() if s < from_step}
+            self._memory._set_trial(memory_id, trial)
+        return len(stale)
 
     def should_prune(self, session: Session, trial_id: int) -> bool:
         """The study's pruner on the trial's reported values, as ``Trial.should_prune``.

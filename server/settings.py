@@ -45,7 +45,42 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     artifact_dir: Path = Field(
         Path("./artifacts"),
-        description="Where workers save each finished trial's weights; shared storage when workers run on other nodes.",
+        description="The artifact store when FUSETUNE_ARTIFACT_STORE is unset: a local directory, where "
+        "workers save checkpoints and each finished trial's weights (one node, or a path every node mounts).",
+    )
+    artifact_store: str | None = Field(
+        None,
+        description="The artifact store as a URI pyarrow.fs understands, like Ray's storage_path: "
+        "file:///shared/fusetune (a filesystem every node mounts), s3://bucket/prefix, gs://..., hdfs://...; "
+        "unset: FUSETUNE_ARTIFACT_DIR.",
+    )
+    ray_timeout_s: float = Field(
+        60.0, gt=0, description="Longest wait for a Ray call that should answer at once (a worker's info, a restart)."
+    )
+    heartbeat_interval_s: float = Field(
+        5.0, gt=0, description="How often the scheduling loop pings each busy worker."
+    )
+    heartbeat_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="A busy worker that answers no ping for this long is hung: it is killed and replaced, "
+        "and its members resume from their checkpoints.",
+    )
+    db_retry_s: float = Field(
+        1.0, gt=0, description="First wait before the scheduling loop retries a database that failed (doubling, up to 30 s)."
+    )
+    leader_poll_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often a standby server (another one holds the database's scheduler lock) tries "
+        "to take the lock over, and the scheduler checks that it still holds it.",
+    )
+    worker_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Memory budget of each worker's arrays, in bytes: arrays are sized by the fusion "
+        "engine's memory model (bytes(B) = base + B * member, fusion/sizing.py) to fit it. Unset: the "
+        "device's memory, and on CUDA an array that runs out of memory is split in halves and retried.",
     )
     max_array_size: int = Field(
         64,
@@ -128,6 +163,11 @@ class Settings(BaseSettings):
                 url = url.set(database=str(Path(os.getcwd(), path).resolve()))
                 return url.render_as_string(hide_password=False)
         return value
+
+
+def artifact_uri(settings: Settings) -> str:
+    """The artifact store workers write to: FUSETUNE_ARTIFACT_STORE, else FUSETUNE_ARTIFACT_DIR made absolute."""
+    return settings.artifact_store or str(settings.artifact_dir.resolve())
 
 
 @lru_cache(maxsize=1)

@@ -40,3 +40,22 @@ def test_the_server_container_command_exists() -> None:
     assert "fusetune serve --host 0.0.0.0 --port 8000" in command
     done = subprocess.run([sys.executable, "-m", "fusetune.server.cli", "serve", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and "--host" in done.stdout and "--port" in done.stdout
+
+
+def test_every_fusetune_container_mounts_the_one_artifact_volume() -> None:
+    """Checkpoints written on one node resume on another: server, head and workers share the store."""
+    spec = compose()
+    services = spec["services"]
+    assert "artifacts" in spec["volumes"] and "pgdata" in spec["volumes"]
+    store = services["server"]["environment"]["FUSETUNE_ARTIFACT_STORE"]
+    assert store.startswith("file:///")
+    mount = store.removeprefix("file://")
+    for name in ("server", "ray-head", "gpu-worker"):
+        volumes = services[name].get("volumes") or []
+        assert f"artifacts:{mount}" in volumes, (name, volumes)
+    assert "artifacts" not in str(services["postgres"]["volumes"])
+    # The server reaches the cluster at the head's address (never "auto", which picks whichever
+    # cluster this host started last), through its own CPU-less Ray node.
+    assert services["server"]["environment"]["FUSETUNE_RAY_ADDRESS"] == "ray-head:6379"
+    assert "ray start --address=ray-head:6379 --num-cpus=0" in services["server"]["command"]
+    assert services["postgres"]["healthcheck"]["test"]

@@ -8,6 +8,7 @@ import socket
 import threading
 from collections.abc import Iterator
 
+import ray
 import torch
 
 import fusetune.fusion as fusion
@@ -63,8 +64,13 @@ class ArrayWorker:
             "name": self.name,
             "device_type": self.device_type,
             "node": f"{socket.gethostname()}:{os.getpid()}",
+            "node_id": ray.get_runtime_context().get_node_id(),
             "memory_bytes": memory,
         }
+
+    def heartbeat(self) -> bool:
+        """Answered on the actor's second thread while :meth:`run` trains: the process lives."""
+        return True
 
     def offer(self, array_id: int, members: list[MemberSpec]) -> None:
         """Queue newcomers for array ``array_id``; they join it at its next epoch boundary.

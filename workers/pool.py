@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fusetune.workers.actor import ArrayWorker
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
 
+log = logging.getLogger(__name__)
+
 #: One thing a worker said: an epoch report of the array it trains, or how the array ended
 #: (its outcome, or the error that ended it, the worker's death included).
 Event = tuple["WorkerHandle", ArraySpec, EpochReport | ArrayOutcome | BaseException]
+
+
+class WorkerHung(RuntimeError):
+    """A busy worker answered no heartbeat within the timeout: it was killed."""
 
 
 def _options(device_type: str, threads: int) -> dict:
@@ -31,10 +40,14 @@ class WorkerHandle:
     device_type: str
     num_threads: int
     actor: ray.actor.ActorHandle
-    node: str = ""
+    node: str = ""  # host:pid of the actor's process
     memory_bytes: int = 16 << 30
+    node_id: str = ""  # the Ray node it runs on (it is pinned there)
     spec: ArraySpec | None = None
     stream: ray.ObjectRefGenerator | None = field(default=None, repr=False)  # the array's reports
+    ping: tuple[ray.ObjectRef, float] | None = field(default=None, repr=False)  # a heartbeat in flight, sent at
+    last_ping: float = 0.0
+    hung: bool = False  # killed for answering no heartbeat
 
     @property
     def idle(self) -> bool:
@@ -44,54 +57,114 @@ class WorkerHandle:
 class WorkerPool:
     """Starts one :class:`ArrayWorker` per accelerator in the Ray cluster, or CPU workers where there is none.
 
+    Workers follow the cluster's nodes: each is pinned to a node (Ray's node affinity), a node
+    that joins gets workers for its devices at the next :meth:`refresh`, and the workers of a
+    node that left are dropped (a busy one when its array's stream reports its death: its
+    members resume elsewhere). A worker whose process died on a live node is restarted there.
+
     Args:
         cpu_workers: how many CPU workers to start when the cluster has no accelerator; the
-            cluster's CPUs are split evenly between them. None: one per CPU, one thread each.
+            cluster's CPUs are split evenly between them (each gets ``CPUs // cpu_workers``
+            threads; a node that joins later gets one worker per that many of its CPUs).
+            None: one per CPU, one thread each.
         name_prefix: actor names start with it, so several services can share one cluster.
+        timeout_s: the longest wait for a call that answers at once (a new worker's info).
+        heartbeat_interval_s, heartbeat_timeout_s: busy workers are pinged this often; one
+            that answers none for the timeout is hung, and killed (see :meth:`heartbeat`).
     """
 
-    def __init__(self, cpu_workers: int | None = None, name_prefix: str = "fusetune") -> None:
+    def __init__(
+        self,
+        cpu_workers: int | None = None,
+        name_prefix: str = "fusetune",
+        timeout_s: float = 60.0,
+        heartbeat_interval_s: float = 5.0,
+        heartbeat_timeout_s: float = 120.0,
+    ) -> None:
         self.cpu_workers = cpu_workers
         self.name_prefix = name_prefix
+        self.timeout_s = timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.workers: list[WorkerHandle] = []
+        self._cpu_threads: int | None = None  # threads of each CPU worker, fixed at the first refresh
+        self._index: dict[str, int] = {}  # device type -> the next worker's number
         self.refresh()
 
     def refresh(self) -> list[WorkerHandle]:
-        """Start a worker for every accelerator that joined the cluster since the last call.
+        """Follow the cluster's nodes: start workers for the devices of nodes that joined, drop
+        the idle workers of nodes that left. Returns the workers started.
 
         GPUs (Ray resource ``GPU``) get ``cuda`` workers and TPU chips (``TPU``) get ``xla``
         workers; CPU workers are started only while the cluster has no accelerator at all.
-        Returns the workers started.
         """
-        resources = ray.cluster_resources()
-        slots: list[tuple[str, int]] = []
-        for device_type, resource in (("cuda", "GPU"), ("xla", "TPU")):
-            have = sum(w.device_type == device_type for w in self.workers)
-            slots += [(device_type, 1)] * (int(resources.get(resource, 0)) - have)
-        if not slots and not self.workers and resources.get("CPU", 0) >= 1:
-            self.cpu_workers = self.cpu_workers or int(resources["CPU"])
-            slots = [("cpu", max(1, int(resources["CPU"]) // self.cpu_workers))] * self.cpu_workers
+        nodes = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+        gone = [w for w in self.workers if w.idle and w.node_id and w.node_id not in nodes]
+        for worker in gone:
+            log.warning("worker %s left with its node %s", worker.name, worker.node_id[:12])
+            self._kill(worker)
+        self.workers = [w for w in self.workers if w not in gone]
+        accelerators = any(r.get("GPU", 0) >= 1 or r.get("TPU", 0) >= 1 for r in nodes.values())
+        slots: list[tuple[str, int, str]] = []  # device type, threads, node id
+        budget: int | None = None  # CPU workers left to place in the first refresh
+        if not accelerators and self._cpu_threads is None:
+            total = int(sum(r.get("CPU", 0) for r in nodes.values()))
+            if total >= 1:
+                self.cpu_workers = budget = self.cpu_workers or total
+                self._cpu_threads = max(1, total // self.cpu_workers)
+        for node_id, resources in nodes.items():
+            mine = [w for w in self.workers if w.node_id == node_id]
+            if accelerators:
+                for device_type, resource in (("cuda", "GPU"), ("xla", "TPU")):
+                    have = sum(w.device_type == device_type for w in mine)
+                    slots += [(device_type, 1, node_id)] * (int(resources.get(resource, 0)) - have)
+                continue
+            if mine or self._cpu_threads is None or any(w.device_type != "cpu" for w in self.workers):
+                continue  # a node keeps the CPU workers it got when it joined
+            want = int(resources.get("CPU", 0)) // self._cpu_threads
+            if budget is not None:  # the first refresh starts cpu_workers workers in all
+                want, budget = min(want, budget), budget - min(want, budget)
+            slots += [("cpu", self._cpu_threads, node_id)] * want
         started = []
-        for device_type, threads in slots:
-            index = sum(w.device_type == device_type for w in self.workers)
-            worker = self._start(f"{self.name_prefix}-{device_type}-{index}", device_type, threads)
+        for device_type, threads, node_id in slots:
+            index = self._index.get(device_type, 0)
+            self._index[device_type] = index + 1
+            started.append(self._start(f"{self.name_prefix}-{device_type}-{index}", device_type, threads, node_id))
+        per_node = {n: sum(w.node_id == n and w.device_type == "cpu" for w in [*self.workers, *started]) for n in nodes}
+        for worker in started:
+            try:
+                self._describe(worker, max(1, per_node.get(worker.node_id, 1)))
+            except Exception as exc:  # never came up (its node left, no resources): not a worker
+                log.warning("worker %s did not start: %s", worker.name, exc)
+                self._kill(worker)
+                continue
             self.workers.append(worker)
-            started.append(worker)
-        infos = ray.get([w.actor.info.remote() for w in started])
-        for worker, info in zip(started, infos, strict=True):
-            worker.node = info["node"]
-            # CPU workers on one node share its memory.
-            worker.memory_bytes = int(info["memory_bytes"]) // ((self.cpu_workers or 1) if worker.device_type == "cpu" else 1)
-        return started
+        return [w for w in started if w in self.workers]
+
+    def _describe(self, worker: WorkerHandle, sharing: int) -> None:
+        info = ray.get(worker.actor.info.remote(), timeout=self.timeout_s)
+        worker.node, worker.node_id = info["node"], info["node_id"]
+        # CPU workers on one node share its memory.
+        worker.memory_bytes = int(info["memory_bytes"]) // (sharing if worker.device_type == "cpu" else 1)
 
     @staticmethod
-    def _start(name: str, device_type: str, threads: int) -> WorkerHandle:
+    def _start(name: str, device_type: str, threads: int, node_id: str = "") -> WorkerHandle:
+        options = _options(device_type, threads)
+        if node_id:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         actor = (
             ray.remote(ArrayWorker)
-            .options(max_concurrency=2, **_options(device_type, threads))  # run + offer
+            .options(max_concurrency=2, **options)  # run + offer, release, reply, heartbeat
             .remote(name, device_type, threads)
         )
-        return WorkerHandle(name=name, device_type=device_type, num_threads=threads, actor=actor)
+        return WorkerHandle(name=name, device_type=device_type, num_threads=threads, actor=actor, node_id=node_id)
+
+    @staticmethod
+    def _kill(worker: WorkerHandle) -> None:
+        try:
+            ray.kill(worker.actor, no_restart=True)
+        except Exception:  # already gone
+            pass
 
     def idle(self) -> list[WorkerHandle]:
         return [w for w in self.workers if w.idle]
@@ -101,6 +174,7 @@ class WorkerPool:
             raise RuntimeError(f"worker {worker.name} is already training array {worker.spec.array_id}")
         worker.spec = spec
         worker.stream = worker.actor.run.remote(spec)
+        worker.ping, worker.last_ping, worker.hung = None, time.monotonic(), False
 
     def reply(self, worker: WorkerHandle, reply: EpochReply) -> None:
         """Answer the epoch report of the array ``worker`` is training."""
@@ -120,12 +194,40 @@ class WorkerPool:
             raise RuntimeError(f"worker {worker.name} is not training an array")
         worker.actor.release.remote(worker.spec.array_id, trial_ids)
 
+    def heartbeat(self) -> list[WorkerHandle]:
+        """Ping the busy workers; kill each that has answered no ping for ``heartbeat_timeout_s``.
+
+        A ping is served on the actor's second thread, so a worker answers while it trains;
+        one that does not (its process is frozen, or stuck holding the interpreter) is hung.
+        Its array's stream then reports its death (:meth:`wait`), it is replaced, and its
+        members resume from their checkpoints. Returns the workers killed now.
+        """
+        now = time.monotonic()
+        killed = []
+        for worker in self.workers:
+            if worker.idle or worker.hung:
+                continue
+            if worker.ping is not None:
+                ref, sent = worker.ping
+                ready, _ = ray.wait([ref], timeout=0)
+                if ready:
+                    worker.ping = None
+                elif now - sent > self.heartbeat_timeout_s:
+                    log.error("worker %s answered no heartbeat in %.0f s: killing it", worker.name, now - sent)
+                    worker.hung, worker.ping = True, None
+                    self._kill(worker)
+                    killed.append(worker)
+                    continue
+            if worker.ping is None and now - worker.last_ping >= self.heartbeat_interval_s:
+                worker.ping, worker.last_ping = (worker.actor.heartbeat.remote(), now), now
+        return killed
+
     def wait(self, timeout: float = 0.0) -> list[Event]:
         """What the busy workers said, waiting up to ``timeout`` seconds for the first word.
 
         Epoch reports leave the worker busy (it waits for :meth:`reply`); an outcome or an
-        error makes it idle again. A worker whose process died is restarted, so the pool
-        keeps its size.
+        error makes it idle again. A worker whose process died is restarted on its node, so
+        the pool keeps its size; a worker whose node left goes with it.
         """
         busy = {w.stream: w for w in self.workers if w.stream is not None}
         if not busy:
@@ -139,21 +241,36 @@ class WorkerPool:
             worker = busy[stream]
             spec = worker.spec
             try:
-                item: EpochReport | ArrayOutcome | BaseException = ray.get(next(stream))
+                item: EpochReport | ArrayOutcome | BaseException = ray.get(next(stream), timeout=self.timeout_s)
             except StopIteration:  # the stream ended without an outcome: cannot happen in run()
                 item = RuntimeError(f"worker {worker.name} ended array {spec.array_id} without an outcome")
             except ray.exceptions.RayActorError as exc:
-                item = exc
-                worker.actor = self._start(worker.name, worker.device_type, worker.num_threads).actor
-                worker.node = ray.get(worker.actor.info.remote())["node"]
+                item = WorkerHung(f"no heartbeat in {self.heartbeat_timeout_s:.0f} s, killed") if worker.hung else exc
+                self._replace(worker)
             except ray.exceptions.RayError as exc:
                 item = exc
             if not isinstance(item, EpochReport):
-                worker.spec, worker.stream = None, None
+                worker.spec, worker.stream, worker.ping = None, None, None
             events.append((worker, spec, item))
         return events
 
+    def _replace(self, worker: WorkerHandle) -> None:
+        """A new actor for a dead one, on its node; none if the node left (or it cannot start)."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if worker.node_id in alive or not worker.node_id:
+            fresh = self._start(worker.name, worker.device_type, worker.num_threads, worker.node_id)
+            try:
+                sharing = sum(w.node_id == worker.node_id and w.device_type == "cpu" for w in self.workers)
+                self._describe(fresh, max(1, sharing))
+                worker.actor, worker.node, worker.hung = fresh.actor, fresh.node, False
+                return
+            except Exception as exc:
+                log.warning("worker %s could not be restarted on its node: %s", worker.name, exc)
+                self._kill(fresh)
+        log.warning("worker %s left with its node %s", worker.name, worker.node_id[:12])
+        self.workers = [w for w in self.workers if w is not worker]
+
     def shutdown(self) -> None:
         for worker in self.workers:
-            ray.kill(worker.actor)
+            self._kill(worker)
         self.workers.clear()

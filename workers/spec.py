@@ -80,7 +80,9 @@ class ArraySpec:
     epochs: int
     members: tuple[MemberSpec, ...]
     seed: int = 0
-    artifact_dir: str | None = None  # where members' weights and checkpoints are saved
+    # The artifact store (workers/store.py): a local directory or a pyarrow.fs URI that every
+    # node sees; members' weights and checkpoints go there.
+    artifact_dir: str | None = None
     checkpoint_frequency: int = 1  # checkpoint at most every N epochs (Ray Tune's name); 0: never
     checkpoint_interval_s: float = 0.0  # ...and at most every this many seconds
     probe_solo: bool = False  # also time one member unfused once: the class's B = 1 speed
@@ -97,6 +99,9 @@ class MemberReport:
     finite. Pruning is the control plane's decision, sent back in the :class:`EpochReply`.
     ``value`` is the study's first objective (the intermediate value); ``values``, set when
     the member completed, holds every objective in the study's order (Optuna's values).
+    ``checkpoint_epoch`` is the epochs done of the member's newest checkpoint that is
+    completely written to the artifact store (None: none yet): the control plane resumes the
+    trial from it after a crash, and never looks into the store itself.
     """
 
     trial_id: int
@@ -106,6 +111,7 @@ class MemberReport:
     error: str | None = None
     state_dict: str | None = None
     values: tuple[float, ...] = ()
+    checkpoint_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,3 +158,4 @@ class ArrayOutcome:
     members: int = 0  # how many members trained (B)
     timings: dict[str, float] = field(default_factory=dict)  # seconds by phase, whole array
     error: str | None = None
+    oom: bool = False  # the device ran out of memory: the control plane splits the array and retries

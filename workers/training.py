@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import traceback
 from collections import defaultdict
 from collections.abc import Generator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 import fusetune.fusion as fusion
-from fusetune.workers.checkpoints import CheckpointWriter, checkpoint_path, load_checkpoint
+from fusetune.workers.checkpoints import CheckpointWriter, checkpoint_key, load_checkpoint
 from fusetune.workers.optimization import ArrayOptimizer, Recipe, optimizer_kwargs, resolve
 from fusetune.workers.spec import (
     ArrayOutcome,
@@ -27,6 +27,7 @@ from fusetune.workers.spec import (
     MemberSpec,
     TrainingSpec,
 )
+from fusetune.workers.store import get_store
 from fusetune.workers.workloads import Metric, Workload, get_workload
 
 __all__ = ["build_models", "objectives", "optimizer_kwargs", "probe_solo_speed", "recipes", "train_array"]
@@ -51,15 +52,14 @@ def build_models(workload: Workload, members: Sequence[MemberSpec], seed: int) -
 
 
 def save_member(fused: fusion.FusedModel, index: int, spec: ArraySpec, member: MemberSpec) -> str:
-    """Save member ``index`` as a plain state_dict of the workload's model class; returns the path."""
-    path = Path(spec.artifact_dir, spec.study_name, f"trial-{member.number}.pt")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().cpu() for k, v in fused.member_state_dict(index).items()}, path)
-    return str(path)
+    """Save member ``index`` as a plain state_dict of the workload's model class in the
+    artifact store; returns where (a local path, or the store's URI of it)."""
+    state = {k: v.detach().cpu() for k, v in fused.member_state_dict(index).items()}
+    return get_store(spec.artifact_dir).save_torch(f"{spec.study_name}/trial-{member.number}.pt", state)
 
 
-def _checkpoint_of(spec: ArraySpec, member: MemberSpec) -> Path | None:
-    return checkpoint_path(spec.artifact_dir, spec.study_name, member.number) if spec.artifact_dir else None
+def _checkpoint_of(spec: ArraySpec, member: MemberSpec) -> str | None:
+    return checkpoint_key(spec.study_name, member.number) if spec.artifact_dir else None
 
 
 def resume_members(
@@ -73,8 +73,8 @@ def resume_members(
     epochs: list[int] = []
     states: list[tuple[dict[str, Any], dict[str, Any]] | None] = []
     for member, model in zip(members, models, strict=True):
-        path = _checkpoint_of(spec, member)
-        ckpt = load_checkpoint(path) if path is not None else None
+        key = _checkpoint_of(spec, member)
+        ckpt = load_checkpoint(get_store(spec.artifact_dir), key) if key is not None else None
         if ckpt is None:
             epochs.append(0)
             states.append(None)
@@ -83,6 +83,20 @@ def resume_members(
         epochs.append(int(ckpt["epochs_done"]))
         states.append((ckpt["optimizer"], ckpt.get("schedules") or {}))
     return epochs, states
+
+
+def _resumed(
+    writer: CheckpointWriter, spec: ArraySpec, members: Sequence[MemberSpec], epochs: Sequence[int], states: Sequence[Any]
+) -> None:
+    """The checkpoints members resumed from are in the store already: reports may name them."""
+    for member, done, state in zip(members, epochs, states, strict=True):
+        if state is not None:
+            writer.assume(_checkpoint_of(spec, member), done)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says the device ran out of memory (CUDA's OOM, or the CPU allocator's)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 def _load_states(optim: ArrayOptimizer, first: int, states: Sequence[tuple[dict[str, Any], dict[str, Any]] | None]) -> None:
@@ -194,7 +208,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
     outcome = ArrayOutcome(array_id=spec.array_id)
     timings: dict[str, float] = defaultdict(float)
     members: list[MemberSpec] = list(spec.members)
-    writer = CheckpointWriter()
+    writer = CheckpointWriter(get_store(spec.artifact_dir) if spec.artifact_dir else None)
     last_saved: dict[int, tuple[int, float]] = {}  # trial id -> (epochs done, train seconds) at its last checkpoint
     try:
         clock = time.perf_counter()
@@ -205,6 +219,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
         metrics = objectives(workload, spec.training)
         models = build_models(workload, members, spec.seed)
         epochs_done, states = resume_members(spec, members, models)
+        _resumed(writer, spec, members, epochs_done, states)
         fused = fusion.fuse(models).to(device)
         optim = ArrayOptimizer(fused, recipes(workload, spec.training, members), device)
         _load_states(optim, 0, states)
@@ -290,9 +305,12 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
                 writer.flush()
             epoch["checkpoint_s"] = time.perf_counter() - clock
 
+            # Each member's newest checkpoint that is completely written: what the control
+            # plane may resume it from (the one being written now may not be there yet).
+            durable = {m.trial_id: writer.durable(_checkpoint_of(spec, m)) for m in members} if spec.artifact_dir else {}
             report = EpochReport(
                 array_id=spec.array_id,
-                members=tuple(reports),
+                members=tuple(dataclasses.replace(r, checkpoint_epoch=durable.get(r.trial_id)) for r in reports),
                 joined=tuple(joined),
                 released=tuple(members[b].trial_id for b in leaving),
                 size=count,
@@ -343,6 +361,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
             if newcomers:
                 models = build_models(workload, newcomers, spec.seed)
                 new_epochs, new_states = resume_members(spec, newcomers, models)
+                _resumed(writer, spec, newcomers, new_epochs, new_states)
                 if members:
                     fused.add_members(models)
                     optim.add_members(recipes(workload, spec.training, newcomers))
@@ -363,16 +382,21 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
             outcome.members = round(member_steps / steps)
     except Exception as exc:  # the array fails as a whole; every member still training records why
         outcome.error = f"{type(exc).__name__}: {exc}"
+        # Out of memory: the control plane splits the array and retries the halves, which
+        # resume from the members' checkpoints; any other error fails the members.
+        outcome.oom = is_out_of_memory(exc)
         detail = outcome.error + "\n" + traceback.format_exc(limit=5)
         for member in members:
             outcome.failed.setdefault(member.trial_id, detail)
-            path = _checkpoint_of(spec, member)
-            if path is not None:
-                writer.remove(path)
+            key = _checkpoint_of(spec, member)
+            if key is not None and not outcome.oom:
+                writer.remove(key)
     finally:
         try:
             writer.close()
         except OSError as exc:  # a checkpoint could not be written: the trials can't resume
             outcome.error = outcome.error or f"checkpoint write failed: {exc}"
+        if outcome.oom and device.type == "cuda":
+            torch.cuda.empty_cache()  # what the failed array held, for the halves
     outcome.timings = dict(timings)
     return outcome

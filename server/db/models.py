@@ -136,6 +136,10 @@ class Trial(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(nullable=True)
     completed_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    #: Epochs done of the trial's newest checkpoint in the artifact store, as its worker
+    #: reported it (None: none). A trial whose array died, or whose service restarted,
+    #: resumes from it; the control plane never looks into the store itself.
+    checkpoint_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     study: Mapped[Study] = relationship(back_populates="trials")
     array: Mapped[Array | None] = relationship(back_populates="trials", foreign_keys=[array_id])
@@ -151,6 +155,8 @@ class Array(Base):
     signature: Mapped[str] = mapped_column(String(64))
     state: Mapped[ArrayState] = mapped_column(_enum(ArrayState), default=ArrayState.RUNNING, index=True)
     worker_id: Mapped[int | None] = mapped_column(ForeignKey("ft_workers.id"), nullable=True)
+    #: The Ray node the array trained on (its worker's node then; workers move when nodes leave).
+    node: Mapped[str | None] = mapped_column(String(64), nullable=True)
     epochs_done: Mapped[int] = mapped_column(Integer, default=0)
     models_steps_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: Seconds the worker spent by phase (train_s, eval_s, report_s, checkpoint_s, ...).
