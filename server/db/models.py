@@ -11,16 +11,48 @@ import enum
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Enum, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, DateTime, Enum, Float, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
 
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp stored as ``DateTime(timezone=True)`` and always read back aware, in UTC.
+
+    PostgreSQL keeps the offset; SQLite keeps none and hands back naive datetimes, which the
+    API would serialise without an offset. Values are written in UTC (a naive one is taken
+    to be UTC already), so both databases read back the same aware datetime.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(timezone.utc)
+            if dialect.name == "sqlite":
+                value = value.replace(tzinfo=None)  # SQLite stores the text; keep it in one form
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+#: Ids of tables that grow without bound (events): 64-bit on PostgreSQL; on SQLite every
+#: INTEGER PRIMARY KEY is a 64-bit rowid already (and only INTEGER autoincrements there).
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
 class Base(DeclarativeBase):
-    type_annotation_map = {datetime: DateTime(timezone=True), dict[str, Any]: JSON}
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON}
 
 
 class StudyState(str, enum.Enum):
@@ -233,3 +265,28 @@ class Throughput(Base):
     models_steps_per_s: Mapped[float] = mapped_column(Float)
     samples: Mapped[int] = mapped_column(Integer, default=1)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Event(Base):
+    """Something that happened to a study's trials or arrays, for ``GET .../events`` (SSE).
+
+    Only the scheduling loop writes events, inside the transactions that make them true (a
+    trial's report and its ``trial.reported`` commit together), one transaction after the
+    other: ids are therefore committed in increasing order, and a reader that has seen id N
+    has seen every event before it (``Last-Event-ID`` resumes exactly there). ``tenant`` is
+    the study's, kept here so that a tenant's stream needs no join and outlives the study;
+    old events are pruned after ``FUSETUNE_EVENTS_RETENTION_S``.
+    """
+
+    __tablename__ = "ft_events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(255), index=True)
+    study_id: Mapped[int] = mapped_column(Integer, index=True)
+    #: trial.asked, trial.started, trial.reported, trial.ended, array.started, array.changed,
+    #: array.ended, study.completed
+    kind: Mapped[str] = mapped_column(String(32))
+    trial_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    array_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
