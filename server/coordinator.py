@@ -54,6 +54,7 @@ from fusetune.server.db import (
     get_sessionmaker,
     utcnow,
 )
+from fusetune.server import events
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
@@ -245,6 +246,9 @@ class Coordinator:
         # which alone touches the mirrors.
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._awaiting: dict[int, _Awaiting] = {}  # array id -> its epoch waiting for a client
+        #: Array-epoch reports recorded by this process (GET /metrics: fusetune_epoch_reports_total).
+        self.reports_ingested = 0
+        self._next_prune = 0.0  # when old events are pruned next (monotonic)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -252,6 +256,13 @@ class Coordinator:
         self._register_workers()
         self._load_throughput()
         self._recover()
+        self._prune_events()
+
+    def _prune_events(self) -> None:
+        """Drop events past FUSETUNE_EVENTS_RETENTION_S: at start-up, then hourly."""
+        with self.sessions.begin() as session:
+            events.prune(session, self.settings.events_retention_s)
+        self._next_prune = time.monotonic() + min(3600.0, self.settings.events_retention_s)
 
     def start(self) -> None:
         """:meth:`setup`, then run the loop in a background thread: worker reports as they
@@ -335,6 +346,8 @@ class Coordinator:
         if self._reregister:  # new workers, or replacement actors in new processes
             self._register_workers()
             self._reregister = False
+        if time.monotonic() >= self._next_prune:
+            self._prune_events()
         self._handle(self.pool.wait(0))
         with self.sessions() as session:
             studies = session.scalars(
@@ -405,9 +418,17 @@ class Coordinator:
     def _recover(self) -> None:
         """Arrays left RUNNING by a previous server process are gone: re-queue their live trials."""
         with self.sessions.begin() as session:
-            orphans = session.scalars(select(Array.id).where(Array.state == ArrayState.RUNNING)).all()
+            found = session.execute(
+                select(Array.id, Array.study_id, Study.tenant)
+                .join(Study, Array.study_id == Study.id)
+                .where(Array.state == ArrayState.RUNNING)
+            ).all()
+            orphans = [array_id for array_id, _, _ in found]
             if not orphans:
                 return
+            error = "the service restarted while this array trained"
+            for array_id, study_id, tenant in found:
+                events.record(session, "array.ended", tenant=tenant, study_id=study_id, array_id=array_id, state="FAIL", error=error)
             session.execute(
                 update(Array)
                 .where(Array.id.in_(orphans))
@@ -517,6 +538,11 @@ class Coordinator:
             session.add(row)
             rows.append(row)
         session.flush()
+        for row in rows:
+            where = {"tenant": study.tenant, "study_id": study.id, "trial_id": row.id}
+            events.record(session, "trial.asked", **where, number=row.number, params=row.params, state=row.state.value)
+            if row.state == TrialState.FAIL:
+                events.record(session, "trial.ended", **where, state="FAIL", value=None, error=row.error)
         return rows
 
     # -- dispatching ---------------------------------------------------------------------------
@@ -660,6 +686,10 @@ class Coordinator:
         array.members.extend(ArrayMember(slot=first + k, trial_id=t.id) for k, t in enumerate(trials))
         for t in trials:
             t.array_id = array_id
+        events.record(
+            session, "array.changed", tenant=self._live[array_id].tenant, study_id=array.study_id, array_id=array_id,
+            offered=[t.id for t in trials], joined=[], left=[],
+        )
         session.commit()
         self._live[array_id].optuna_ids.update({t.id: t.optuna_trial_id for t in trials})
         self.pool.offer(worker, [MemberSpec(t.id, t.optuna_trial_id, t.number, dict(t.params)) for t in trials])
@@ -675,6 +705,10 @@ class Coordinator:
         now = utcnow()
         for t in trials:
             t.array_id, t.state, t.started_at = array.id, TrialState.RUNNING, now
+        where = {"tenant": study.tenant, "study_id": study.id, "array_id": array.id}
+        events.record(session, "array.started", **where, trial_ids=[t.id for t in trials], worker=worker.name, signature=array.signature)
+        for t in trials:
+            events.record(session, "trial.started", **where, trial_id=t.id, number=t.number, resumed_at_epoch=None)
         session.commit()
         spec = ArraySpec(
             array_id=array.id,
@@ -694,7 +728,7 @@ class Coordinator:
             training=self._training_of(study),
         )
         self._live[array.id] = _Live(
-            study.id, {t.id: t.optuna_trial_id for t in trials}, client_decides=study.driver == "client"
+            study.id, {t.id: t.optuna_trial_id for t in trials}, client_decides=study.driver == "client", tenant=study.tenant
         )
         self.pool.submit(worker, spec)
         log.info("array %d: %d trials of study %s on %s", array.id, len(trials), study.name, worker.name)
@@ -723,6 +757,12 @@ class Coordinator:
             try:
                 now = utcnow()
                 optuna_id = live.optuna_ids
+                where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
+                ended: list[int] = []
+                for joined in report.joined:
+                    events.record(
+                        session, "trial.started", **where, trial_id=joined.trial_id, resumed_at_epoch=joined.resumed_at_epoch
+                    )
                 if report.joined:
                     session.execute(
                         update(Trial)
@@ -737,22 +777,27 @@ class Coordinator:
                 mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
                 self._note_checkpoints(session, live, report)
                 for member in report.members:
+                    events.record(session, "trial.reported", **where, trial_id=member.trial_id, step=member.step, value=_json_number(member.value))
+                for member in report.members:
                     trial_id = optuna_id[member.trial_id]
                     if member.state == "COMPLETE":
                         if member.state_dict is not None:  # where its trained weights are
                             mirror.set_user_attrs(session, trial_id, {"state_dict": member.state_dict})
                         # Every objective (a multi-objective study's list); the first is also fusetune's value.
                         mirror.tell(session, trial_id, OptunaState.COMPLETE, list(member.values) or member.value)
-                        _finish(session, member.trial_id, TrialState.COMPLETE, now, value=member.value)
+                        _finish(session, member.trial_id, TrialState.COMPLETE, now, value=member.value, event=where)
+                        ended.append(member.trial_id)
                     elif member.state == "FAIL":
                         mirror.tell(session, trial_id, OptunaState.FAIL)
-                        _finish(session, member.trial_id, TrialState.FAIL, now, error=member.error)
+                        _finish(session, member.trial_id, TrialState.FAIL, now, error=member.error, event=where)
+                        ended.append(member.trial_id)
                     elif client_decides:
                         awaiting[member.trial_id] = member.step
                     elif mirror.should_prune(session, trial_id):
                         mirror.tell(session, trial_id, OptunaState.PRUNED)
-                        _finish(session, member.trial_id, TrialState.PRUNED, now, value=member.value)
+                        _finish(session, member.trial_id, TrialState.PRUNED, now, value=member.value, event=where)
                         prune.add(member.trial_id)
+                        ended.append(member.trial_id)
                 if report.released:  # preempted: waits for its next array, Optuna keeps it RUNNING
                     session.execute(
                         update(Trial)
@@ -767,7 +812,13 @@ class Coordinator:
                 session.execute(
                     update(Array).where(Array.id == report.array_id).values(epochs_done=live.epochs_done, timings=live.timings)
                 )
+                if report.joined or report.released or ended:
+                    events.record(
+                        session, "array.changed", **where, offered=[], joined=[j.trial_id for j in report.joined],
+                        left=[*ended, *report.released], epochs_done=live.epochs_done,
+                    )
                 session.commit()
+                self.reports_ingested += 1
             except Exception:
                 session.rollback()
                 self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
@@ -801,7 +852,8 @@ class Coordinator:
                 try:
                     mirror.tell(session, live.optuna_ids[trial_id], OptunaState.PRUNED)
                     value = mirror.trial(live.optuna_ids[trial_id]).intermediate_values.get(step)
-                    _finish(session, trial_id, TrialState.PRUNED, utcnow(), value=value)
+                    where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": array_id}
+                    _finish(session, trial_id, TrialState.PRUNED, utcnow(), value=value, event=where)
                     session.commit()
                 except Exception:
                     session.rollback()
@@ -941,6 +993,9 @@ class Coordinator:
                 # size from now on, and the members wait again for the halves.
                 split = self._split_on_oom(session, worker, array, result)
                 died = died or split
+                tenant = live.tenant if live is not None else session.get(Study, array.study_id).tenant
+                where = {"tenant": tenant, "study_id": array.study_id, "array_id": array.id}
+                requeued: list[int] = []
                 for trial in session.scalars(select(Trial).where(Trial.array_id == array.id, Trial.state == TrialState.RUNNING)):
                     # The worker reported a checkpoint of it (the store is never looked into); the
                     # halves of an array that ran out of memory take every member, from scratch if need be.
@@ -948,10 +1003,13 @@ class Coordinator:
                     if died and resumable and self._resumes.get(trial.id, 0) < _MAX_RESUMES:
                         self._resumes[trial.id] = self._resumes.get(trial.id, 0) + 1
                         trial.state, trial.array_id, trial.started_at = TrialState.WAITING, None, None
+                        requeued.append(trial.id)
                         continue
                     error = result.failed.get(trial.id, result.error) if isinstance(result, ArrayOutcome) else None
                     mirror.tell(session, trial.optuna_trial_id, OptunaState.FAIL)
                     trial.state, trial.completed_at, trial.error = TrialState.FAIL, now, error or array.error
+                    events.record(session, "trial.ended", **where, trial_id=trial.id, state="FAIL", value=None, error=trial.error)
+                events.record(session, "array.ended", **where, state=array.state.value, error=array.error, requeued=requeued)
                 session.commit()
             except Exception:
                 session.rollback()
@@ -968,6 +1026,7 @@ class Coordinator:
         finished = sum(n for state, n in counts.items() if state.is_finished)
         if sum(counts.values()) >= study.n_trials and finished == sum(counts.values()):
             study.state, study.completed_at = StudyState.COMPLETE, utcnow()
+            events.record(session, "study.completed", tenant=study.tenant, study_id=study.id, trial_counts={s.value: n for s, n in counts.items()})
             session.commit()
             self._mirrors.pop(study.id, None)
 
@@ -980,11 +1039,20 @@ def _add_timings(total: Mapping[str, float] | None, more: Mapping[str, float]) -
 
 
 def _finish(
-    session: Session, trial_id: int, state: TrialState, now: Any, value: float | None = None, error: str | None = None
+    session: Session, trial_id: int, state: TrialState, now: Any, value: float | None = None, error: str | None = None,
+    event: Mapping[str, Any] | None = None,
 ) -> None:
-    """End fusetune's row of a trial (Optuna's is the mirror's)."""
+    """End fusetune's row of a trial (Optuna's is the mirror's); ``event``: the tenant,
+    study and array of its ``trial.ended`` event, in the same transaction."""
     value = value if value is not None and math.isfinite(value) else None
     session.execute(update(Trial).where(Trial.id == trial_id).values(state=state, completed_at=now, error=error, value=value))
+    if event is not None:
+        events.record(session, "trial.ended", **event, trial_id=trial_id, state=state.value, value=value, error=error)
+
+
+def _json_number(value: float | None) -> float | None:
+    """A metric as JSON carries it: NaN and infinities are null."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 @dataclass
@@ -994,6 +1062,7 @@ class _Live:
     study_id: int
     optuna_ids: dict[int, int]  # fusetune trial id -> Optuna trial id, members and newcomers
     client_decides: bool = False  # a client-driven study: its client decides pruning
+    tenant: str = "default"  # the study's, for its events
     epochs_done: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     checkpoints: dict[int, int] = field(default_factory=dict)  # trial id -> checkpoint epoch stored in ft_trials

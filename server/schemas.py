@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from fusetune.server.db import ArrayState, StudyState, TrialState
 from fusetune.server.optuna_specs import PRUNERS, SAMPLERS, SpecError, make_pruner, make_sampler
 from fusetune.workers.optimization import (
+    LR_SCHEDULERS,
+    OPTIMIZERS,
     OptionError,
     check_lr_scheduler_spec,
     check_optimizer_spec,
@@ -53,11 +55,15 @@ def _spec_validators(table: dict[str, Any], make: Any, kind: str) -> tuple[Any, 
 class SamplerSpec(ComponentSpec):
     """An Optuna sampler, e.g. ``{"name": "TPESampler", "kwargs": {"seed": 0}}``."""
 
+    name: str = Field(examples=["TPESampler", "random"], json_schema_extra={"enum": sorted(SAMPLERS)})
+
     _known, _constructible = _spec_validators(SAMPLERS, make_sampler, "sampler")
 
 
 class PrunerSpec(ComponentSpec):
     """An Optuna pruner, e.g. ``{"name": "MedianPruner", "kwargs": {"n_warmup_steps": 2}}``."""
+
+    name: str = Field(examples=["MedianPruner", "hyperband"], json_schema_extra={"enum": sorted(PRUNERS)})
 
     _known, _constructible = _spec_validators(PRUNERS, make_pruner, "pruner")
 
@@ -84,7 +90,10 @@ class OptimizerSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(examples=["AdamW", "SGD", "RMSprop"], description="A torch.optim class name (lower case accepted).")
+    name: str = Field(
+        examples=["AdamW", "SGD", "RMSprop"], description="A torch.optim class name (lower case accepted).",
+        json_schema_extra={"enum": sorted({*OPTIMIZERS, *(n.lower() for n in OPTIMIZERS)})},
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -109,7 +118,10 @@ class LRSchedulerSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(examples=["StepLR", "CosineAnnealingLR", "ReduceLROnPlateau"])
+    name: str = Field(
+        examples=["StepLR", "CosineAnnealingLR", "ReduceLROnPlateau"], description="A torch.optim.lr_scheduler class name.",
+        json_schema_extra={"enum": sorted({*LR_SCHEDULERS, *(n.lower() for n in LR_SCHEDULERS)})},
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -345,8 +357,8 @@ class StudyOut(BaseModel):
     workload: str
     n_trials: int
     epochs: int
-    direction: str
-    directions: list[str] = Field(
+    direction: Literal["minimize", "maximize"]
+    directions: list[Literal["minimize", "maximize"]] = Field(
         default_factory=list, description="Optuna's directions, one per objective (the Optuna study's own)."
     )
     search_space: dict[str, Any] | None
@@ -539,3 +551,22 @@ class Health(BaseModel):
     status: Literal["ok"]
     database: str
     workers: int
+
+
+class EventOut(BaseModel):
+    """One event of a study's trials or arrays, the `data` of a server-sent event whose `id`
+    is `id` and whose `event` is `kind`."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int = Field(description="Increasing; send the last one seen as Last-Event-ID to resume after it.")
+    kind: Literal[
+        "trial.asked", "trial.started", "trial.reported", "trial.ended",
+        "array.started", "array.changed", "array.ended", "study.completed",
+    ]
+    tenant: str
+    study_id: int
+    trial_id: int | None
+    array_id: int | None
+    data: dict[str, Any] = Field(description="What happened: e.g. trial.reported's step and value, trial.ended's state.")
+    created_at: datetime

@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 
@@ -137,16 +137,38 @@ class Settings(BaseSettings):
     lease_s: float = Field(360.0, ge=0, description="How long a placement is guaranteed before it may be revised.")
     poll_interval_s: float = Field(0.2, gt=0, description="Period of the scheduling loop.")
     device_refresh_s: float = Field(10.0, gt=0, description="How often to look for new accelerators in the Ray cluster.")
+    max_body_bytes: int = Field(
+        1024 * 1024,
+        ge=1,
+        description="Largest request body accepted, in bytes (chunked bodies included); larger ones get 413.",
+    )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="Bearer token that GET /metrics requires (Prometheus' `authorization` credentials); "
+        "unset: /metrics is open, like /healthz. At least 16 characters.",
+    )
+    events_retention_s: float = Field(
+        7 * 24 * 3600.0, gt=0, description="How long events (GET .../events) are kept before they are pruned."
+    )
+    events_poll_interval_s: float = Field(
+        0.25, gt=0, description="How often an open event stream looks for new events."
+    )
+    events_max_stream_s: float = Field(
+        300.0,
+        gt=0,
+        description="An event stream closes after this long; EventSource clients reconnect with "
+        "Last-Event-ID and lose nothing (it frees connections behind proxies that keep them forever).",
+    )
 
-    @field_validator("admin_token", mode="before")
+    @field_validator("admin_token", "metrics_token", mode="before")
     @classmethod
-    def _strong_admin_token(cls, value: object) -> object:
+    def _strong_admin_token(cls, value: object, info: ValidationInfo) -> object:
         if value is None or value == "":
             return None  # `FUSETUNE_ADMIN_TOKEN=` (e.g. docker compose passing an unset variable)
         secret = value.get_secret_value() if isinstance(value, SecretStr) else value
         if isinstance(secret, str) and len(secret) < 16:
             raise ValueError(
-                "admin_token must have at least 16 characters; make one with "
+                f"{info.field_name} must have at least 16 characters; make one with "
                 "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
         return value

@@ -1,0 +1,124 @@
+"""Events of studies' trials and arrays: written by the scheduling loop, streamed as SSE.
+
+The coordinator calls :func:`record` inside the transactions it already makes (an
+array-epoch's report and its ``trial.reported`` events commit together, or neither), so an
+event is stored exactly when what it says is true in the database. Only the coordinator's
+thread writes events, one transaction after the other, so ids are committed in increasing
+order: a reader that has seen id N has seen every earlier event, and ``Last-Event-ID: N``
+resumes exactly after it. :func:`stream` serves ``GET /api/v1/studies/{id}/events`` and
+``GET /api/v1/events`` from the table (any API process can, with or without a scheduling
+loop); :func:`prune` drops events older than the retention.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from fusetune.server.db import Event, utcnow
+from fusetune.server.schemas import EventOut
+
+#: Every kind of event, in the order a trial meets them.
+KINDS = (
+    "trial.asked",  # the sampler asked it (or it was enqueued); data: number, params, state
+    "trial.started",  # it began training in an array (also when it joins or resumes in one)
+    "trial.reported",  # one epoch's intermediate value; data: step, value
+    "trial.ended",  # COMPLETE, PRUNED or FAIL; data: state, value, error
+    "array.started",  # data: trial_ids, worker, signature
+    "array.changed",  # members joined, left (ended, pruned, preempted) or were offered
+    "array.ended",  # COMPLETE or FAIL; data: state, error, requeued
+    "study.completed",  # every trial has ended
+)
+
+#: Most events one read of the table returns; a stream reads again at once when it was full.
+BATCH = 500
+
+
+def record(
+    session: Session,
+    kind: str,
+    *,
+    tenant: str,
+    study_id: int,
+    trial_id: int | None = None,
+    array_id: int | None = None,
+    **data: Any,
+) -> None:
+    """Add an event to the caller's transaction (it commits, or rolls back, with it)."""
+    assert kind in KINDS, kind
+    session.add(
+        Event(tenant=tenant, study_id=study_id, kind=kind, trial_id=trial_id, array_id=array_id, data=data, created_at=utcnow())
+    )
+
+
+def prune(session: Session, retention_s: float) -> int:
+    """Delete the events older than ``retention_s`` seconds, in the caller's transaction."""
+    cutoff = utcnow() - timedelta(seconds=retention_s)
+    return session.execute(delete(Event).where(Event.created_at < cutoff)).rowcount or 0
+
+
+def _scope(query: Any, as_tenant: str | None, study_id: int | None) -> Any:
+    if as_tenant is not None:
+        query = query.where(Event.tenant == as_tenant)
+    if study_id is not None:
+        query = query.where(Event.study_id == study_id)
+    return query
+
+
+def read(
+    session: Session, after: int, *, as_tenant: str | None = None, study_id: int | None = None, limit: int = BATCH
+) -> list[EventOut]:
+    """The events after id ``after``, oldest first: a tenant's own, or one study's."""
+    query = _scope(select(Event).where(Event.id > after), as_tenant, study_id).order_by(Event.id).limit(limit)
+    return [EventOut.model_validate(e) for e in session.scalars(query)]
+
+
+def last_id(session: Session) -> int:
+    """The newest event's id (0 when there are none): a stream that names no Last-Event-ID starts after it."""
+    return session.scalar(select(func.max(Event.id))) or 0
+
+
+async def stream(
+    sessions: sessionmaker[Session],
+    after: int | None,
+    *,
+    as_tenant: str | None,
+    study_id: int | None,
+    follow: bool,
+    poll_interval_s: float,
+    max_stream_s: float,
+) -> AsyncIterator[dict[str, Any]]:
+    """Server-sent events (as ``sse_starlette`` takes them) after id ``after``.
+
+    ``after`` None: only events that happen from now on. ``follow`` false: the stored
+    events, then the stream ends; otherwise it waits for new ones, polling the table every
+    ``poll_interval_s``, and ends after ``max_stream_s`` (an EventSource reconnects with
+    ``Last-Event-ID`` and loses nothing). Each database read runs on a worker thread, with a
+    session of its own, so an open stream holds no connection while it waits.
+    """
+
+    def fetch(after: int | None) -> tuple[int, list[EventOut]]:
+        with sessions() as session:
+            if after is None:
+                return last_id(session), []
+            return after, read(session, after, as_tenant=as_tenant, study_id=study_id)
+
+    deadline = time.monotonic() + max_stream_s
+    while True:
+        after, batch = await run_in_threadpool(fetch, after)
+        for event in batch:
+            after = event.id
+            yield {"id": str(event.id), "event": event.kind, "data": json.dumps(event.model_dump(mode="json"))}
+        if len(batch) == BATCH:
+            continue  # more are stored: read on before waiting
+        if not follow or time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))
