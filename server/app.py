@@ -9,38 +9,16 @@ from contextlib import asynccontextmanager
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fusetune.server import service
 from fusetune.server.api import health_router, router, tenants_router
+from fusetune.server.api.http import install as install_http
 from fusetune.server.coordinator import Coordinator
 from fusetune.server.db import get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.settings import Settings, get_settings
 from fusetune.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
-
-
-class JSONBodyMiddleware:
-    """Read request bodies sent as form data as JSON.
-
-    ``curl -d @sweep.json`` labels the body ``application/x-www-form-urlencoded`` unless told
-    otherwise; the API speaks only JSON, so such bodies are taken for what they are.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            headers = [
-                (k, b"application/json")
-                if k == b"content-type" and v.startswith(b"application/x-www-form-urlencoded")
-                else (k, v)
-                for k, v in scope["headers"]
-            ]
-            scope = {**scope, "headers": headers}
-        await self.app(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, *, schedule: bool = True) -> FastAPI:
@@ -77,12 +55,12 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.add_middleware(JSONBodyMiddleware)
     app.state.settings = settings
     app.state.sessions = get_sessionmaker(settings.database_url)
     app.include_router(router)
     app.include_router(tenants_router)
     app.include_router(health_router)
+    install_http(app)  # body limits, JSON-only writes, 503s, 405's Allow, events, /metrics, OpenAPI errors
 
     @app.exception_handler(service.NotFound)
     async def not_found(_: Request, exc: service.NotFound) -> JSONResponse:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Path, Query, Request, status
 from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from fusetune.server import service
 from fusetune.server.api.deps import authenticate, get_app_settings, get_session, get_url
+from fusetune.server.api.errors import CONFLICT, MAX_ID, UNAVAILABLE, StudyId, TrialId
 from fusetune.server.auth import Principal
 from fusetune.server.schemas import (
     ArrayOut,
@@ -29,7 +31,7 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 health_router = APIRouter()
 
 
-@router.post("/studies", status_code=status.HTTP_201_CREATED, response_model=StudyOut, tags=["studies"])
+@router.post("/studies", status_code=status.HTTP_201_CREATED, response_model=StudyOut, tags=["studies"], responses=CONFLICT)
 def create_study(
     body: StudyCreate,
     request: Request,
@@ -61,7 +63,7 @@ def list_studies(
 
 @router.get("/studies/{study_id}", response_model=StudyOut, tags=["studies"])
 def get_study(
-    study_id: int,
+    study_id: StudyId,
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
@@ -71,7 +73,7 @@ def get_study(
 
 @router.get("/studies/{study_id}/trials", response_model=list[TrialOut], tags=["trials"])
 def list_trials(
-    study_id: int,
+    study_id: StudyId,
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
@@ -82,7 +84,7 @@ def list_trials(
 
 @router.get("/trials/{trial_id}", response_model=TrialOut, tags=["trials"])
 def get_trial(
-    trial_id: int,
+    trial_id: TrialId,
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
@@ -91,9 +93,11 @@ def get_trial(
     return service.get_trial(session, url, trial_id, as_tenant=principal.tenant)
 
 
-@router.post("/studies/{study_id}/trials", status_code=status.HTTP_201_CREATED, response_model=TrialOut, tags=["trials"])
+@router.post(
+    "/studies/{study_id}/trials", status_code=status.HTTP_201_CREATED, response_model=TrialOut, tags=["trials"], responses=CONFLICT
+)
 def enqueue_trial(
-    study_id: int,
+    study_id: StudyId,
     body: TrialEnqueue,
     request: Request,
     principal: Principal = Depends(authenticate),
@@ -105,9 +109,9 @@ def enqueue_trial(
     return service.enqueue_trial(session, url, coordinator, study_id, body, as_tenant=principal.tenant)
 
 
-@router.post("/trials/{trial_id}/pruning", response_model=TrialOut, tags=["trials"])
+@router.post("/trials/{trial_id}/pruning", response_model=TrialOut, tags=["trials"], responses=CONFLICT)
 def decide_pruning(
-    trial_id: int,
+    trial_id: TrialId,
     body: PruningDecision,
     request: Request,
     principal: Principal = Depends(authenticate),
@@ -122,7 +126,7 @@ def decide_pruning(
 
 @router.put("/studies/{study_id}/user_attrs/{key}", response_model=StudyOut, tags=["studies"])
 def set_study_user_attr(
-    study_id: int,
+    study_id: StudyId,
     body: AttrValue,
     key: str = Path(min_length=1, max_length=512),
     principal: Principal = Depends(authenticate),
@@ -135,7 +139,7 @@ def set_study_user_attr(
 
 @router.get("/arrays", response_model=list[ArrayOut], tags=["arrays"])
 def list_arrays(
-    study_id: int | None = Query(None),
+    study_id: int | None = Query(None, ge=1, le=MAX_ID),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
 ) -> list[ArrayOut]:
@@ -143,9 +147,15 @@ def list_arrays(
     return service.list_arrays(session, study_id, as_tenant=principal.tenant)
 
 
-@health_router.get("/healthz", response_model=Health, tags=["health"])
+@health_router.get("/healthz", response_model=Health, tags=["health"], responses=UNAVAILABLE)
 def healthz(request: Request, session: Session = Depends(get_session)) -> Health:
-    session.execute(text("SELECT 1"))
+    """200 while the database answers; 503 naming the reason when it does not."""
+    try:
+        session.execute(text("SELECT 1"))
+    except SQLAlchemyError as exc:
+        from fusetune.server.api.ops import _reason
+
+        raise service.Unavailable(f"the database is unreachable: {_reason(exc)}") from exc  # whatever the error: 503
     pool = request.app.state.pool
     return Health(
         status="ok",

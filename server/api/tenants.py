@@ -11,12 +11,13 @@ from sqlalchemy.orm import Session
 
 from fusetune.server import tenants
 from fusetune.server.api.deps import authenticate, get_session, require_admin
+from fusetune.server.api.errors import CONFLICT, TokenId
 from fusetune.server.auth import Principal
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreate, TokenCreated, TokenOut
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
-TenantName = Path(min_length=1, max_length=255)
+TenantName = Path(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # as TenantCreate.name
 
 
 @router.get("/tenants", response_model=list[TenantOut], tags=["tenants"])
@@ -27,14 +28,16 @@ def list_tenants(principal: Principal = Depends(authenticate), session: Session 
 
 @router.post(
     "/tenants", status_code=status.HTTP_201_CREATED, response_model=TenantCreated, tags=["tenants"],
-    dependencies=[Depends(require_admin)],
+    dependencies=[Depends(require_admin)], responses=CONFLICT,
 )
 def create_tenant(body: TenantCreate, session: Session = Depends(get_session)) -> TenantCreated:
     """Create a tenant (admin only). The answer holds its first token, shown this once."""
     return tenants.create_tenant(session, body)
 
 
-@router.patch("/tenants/{name}", response_model=TenantOut, tags=["tenants"], dependencies=[Depends(require_admin)])
+@router.patch(
+    "/tenants/{name}", response_model=TenantOut, tags=["tenants"], dependencies=[Depends(require_admin)], responses=CONFLICT
+)
 def update_tenant(body: TenantUpdate, name: str = TenantName, session: Session = Depends(get_session)) -> TenantOut:
     """Change a tenant's weight (its share of the devices when tenants compete) or quotas (admin only)."""
     return tenants.update_tenant(session, name, body)
@@ -61,7 +64,7 @@ def create_token(
 
 @router.delete("/tokens/{token_id}", response_model=TokenOut, tags=["tenants"])
 def revoke_token(
-    token_id: int, principal: Principal = Depends(authenticate), session: Session = Depends(get_session)
+    token_id: TokenId, principal: Principal = Depends(authenticate), session: Session = Depends(get_session)
 ) -> TokenOut:
     """Revoke a token (the admin, or the tenant for its own); it authenticates nothing after."""
     return tenants.revoke_token(session, token_id, as_tenant=principal.tenant)

@@ -25,6 +25,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
+from fusetune.server import events
 from fusetune.server.db import Array, ArrayMember, Study, Trial, get_optuna_storage, get_sessionmaker
 from tests.server.conftest import LiveApi
 
@@ -127,6 +128,15 @@ def trials_seen(world: World, actor: str, response: httpx.Response) -> None:
         assert [t["id"] for t in response.json()] == [world.trial_id]
 
 
+def events_seen(world: World, actor: str, response: httpx.Response) -> None:
+    """The owner's event (the world writes one) reaches the owner and the admin, never the other tenant."""
+    if response.status_code != 200:
+        return
+    assert response.headers["content-type"].startswith("text/event-stream")
+    seen = [line for line in response.text.splitlines() if line.startswith("event: ")]
+    assert seen == (["event: trial.asked"] if actor in ("owner", "admin") else []), (actor, response.text)
+
+
 #: (method, path) -> rule. Every route of the app, no more and no fewer.
 RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/healthz"): Rule(path("/healthz"), {actor: 200 for actor in ACTORS}),
@@ -177,6 +187,18 @@ RULES: dict[tuple[str, str], Rule] = {
     ("DELETE", "/api/v1/tokens/{token_id}"): Rule(
         revoke, {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}, revoked_only_when_allowed
     ),
+    # Event streams: `follow=false` sends the stored events and ends. A tenant's stream shows
+    # only its own tenant's; another tenant's study is a 404.
+    ("GET", "/api/v1/studies/{study_id}/events"): Rule(
+        lambda w, a: (f"/api/v1/studies/{w.study_id}/events", {"params": {"after": 0, "follow": "false"}}),
+        {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}, events_seen,
+    ),
+    ("GET", "/api/v1/events"): Rule(
+        lambda w, a: ("/api/v1/events", {"params": {"after": 0, "follow": "false"}}),
+        {"owner": 200, "other": 200, "admin": 200, **UNAUTHENTICATED}, events_seen,
+    ),
+    # Open like /healthz while FUSETUNE_METRICS_TOKEN is unset (tests/server/test_operations.py sets it).
+    ("GET", "/metrics"): Rule(path("/metrics"), {actor: 200 for actor in ACTORS}),
 }
 
 
@@ -202,7 +224,7 @@ def world(live: LiveApi, database_url: str) -> World:
     study = live.client(owner).post("/api/v1/studies", json={**STUDY, "name": "owned"})
     assert study.status_code == 201, study.text
     study_id = study.json()["id"]
-    # One trial in one array, written as the coordinator would (the API alone runs no loop).
+    # One trial in one array and its event, written as the coordinator would (the API alone runs no loop).
     sessions = get_sessionmaker(database_url)
     with sessions() as session:
         optuna_study = session.get(Study, study_id)
@@ -214,6 +236,8 @@ def world(live: LiveApi, database_url: str) -> World:
         session.flush()
         array = Array(study_id=study_id, signature="s" * 64, members=[ArrayMember(slot=0, trial_id=trial.id)])
         session.add(array)
+        session.flush()
+        events.record(session, "trial.asked", tenant="owner", study_id=study_id, trial_id=trial.id, number=0, params={"lr": 0.1})
         session.commit()
         trial_id, array_id = trial.id, array.id
     tokens = {

@@ -48,15 +48,18 @@ def test_create_study_is_an_optuna_study(api: httpx.Client, database_url: str) -
     assert loaded.direction == optuna.study.StudyDirection.MAXIMIZE
 
 
-def test_curl_style_form_encoded_json_is_accepted(api: httpx.Client) -> None:
-    """`curl -X POST .../studies -d @sweep.json` sends JSON labelled as form data."""
+def test_a_form_encoded_body_is_refused_even_when_it_holds_json(api: httpx.Client, database_url: str) -> None:
+    """`curl -d @sweep.json` without `-H 'Content-Type: application/json'`, or a cross-site
+    HTML form, labels the body form data: 415, and nothing is written."""
+    before = row_counts(database_url)
     response = api.post(
         "/api/v1/studies",
         content=json.dumps(VALID),
         headers={"content-type": "application/x-www-form-urlencoded"},
     )
-    assert response.status_code == 201, response.text
-    assert response.json()["workload"] == "digits-mlp"
+    assert response.status_code == 415, response.text
+    assert "application/json" in response.json()["detail"]
+    assert row_counts(database_url) == before
 
 
 def test_search_space_accepts_distribution_objects(api: httpx.Client) -> None:

@@ -1,0 +1,181 @@
+"""What the API answers besides success, and how the OpenAPI document says so.
+
+* Ids in paths and queries are bounded to the database's integer range (``MAX_ID``, a
+  32-bit ``INTEGER`` on PostgreSQL): a larger one is a 422 naming it, never a database
+  error. Event ids are 64-bit (``MAX_EVENT_ID``).
+* :func:`document_errors` adds each route's error answers to the OpenAPI document, with
+  their bodies' schemas, from what the route is: 401 when it authenticates, 403 when only
+  the admin may call it, 404 when it names a resource by id or name, 413 and 415 when it
+  takes a body (``server/api/limits.py``), 503 when it reads the database (any route may
+  find it down). 409 and the other route-specific answers are in the routes' own
+  ``responses``; 422 is FastAPI's, for routes with parameters.
+* :func:`method_not_allowed`: a 405's ``Allow`` lists every method of the path, not only
+  those of the first route that matched it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Path, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.routing import compile_path
+
+#: Largest id of fusetune's tables (PostgreSQL's INTEGER; SQLite's are wider).
+MAX_ID = 2**31 - 1
+#: Largest event id (ft_events.id is a BIGINT).
+MAX_EVENT_ID = 2**63 - 1
+
+StudyId = Annotated[int, Path(ge=1, le=MAX_ID, description="A study's id.")]
+TrialId = Annotated[int, Path(ge=1, le=MAX_ID, description="A trial's id (fusetune's, not Optuna's).")]
+TokenId = Annotated[int, Path(ge=1, le=MAX_ID, description="A token's id.")]
+
+
+class ErrorMessage(BaseModel):
+    """An error that names no field."""
+
+    detail: str
+
+
+class FieldError(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class FieldErrors(BaseModel):
+    """An error naming the field it is about (``loc``): ``["body", "name"]``, ``["tenant", "max_running_studies"]``."""
+
+    detail: list[FieldError]
+
+
+def _error(description: str, model: type[BaseModel] = ErrorMessage, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "description": description, **extra}
+
+
+UNAUTHORIZED = {
+    401: _error(
+        "No bearer token, or one that is unknown or revoked.",
+        headers={"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
+    )
+}
+FORBIDDEN = {403: _error("Only the admin may do this.")}
+NOT_FOUND = {404: _error("No such resource, or another tenant's.")}
+CONFLICT = {409: _error("The request clashes with the state of the service; `loc` names the field.", FieldErrors)}
+TOO_LARGE = {413: _error("The body is larger than FUSETUNE_MAX_BODY_BYTES.")}
+NOT_JSON = {415: _error("The body is not JSON (Content-Type: application/json).")}
+UNAVAILABLE = {503: _error("The database is unreachable, or the scheduling loop does not run.")}
+
+_WRITES = {"POST", "PUT", "PATCH", "DELETE"}
+
+
+def route_table(app: FastAPI) -> Iterator[tuple[str, set[str], Any]]:
+    """(path, methods, route) of every route with methods, routers included."""
+    try:  # FastAPI >= 0.16x keeps included routers nested in app.routes
+        from fastapi.routing import iter_route_contexts
+
+        for context in iter_route_contexts(app.routes):
+            methods = getattr(context.original_route, "methods", None)
+            if context.path is not None and methods:
+                yield context.path, set(methods), context.original_route
+    except ImportError:
+        for route in app.routes:
+            methods = getattr(route, "methods", None)
+            if getattr(route, "path", None) is not None and methods:
+                yield route.path, set(methods), route
+
+
+def _depends_on(route: APIRoute, names: set[str]) -> set[str]:
+    found: set[str] = set()
+    stack = [route.dependant]
+    while stack:
+        dependant = stack.pop()
+        call = getattr(dependant, "call", None)
+        if getattr(call, "__name__", None) in names:
+            found.add(call.__name__)
+        stack.extend(dependant.dependencies)
+    return found
+
+
+def _responses_of(route: APIRoute, methods: set[str]) -> dict[int | str, Any]:
+    out: dict[int | str, Any] = {}
+    deps = _depends_on(route, {"authenticate", "require_admin", "get_session"})
+    if "authenticate" in deps:
+        out.update(UNAUTHORIZED)
+    if "require_admin" in deps:
+        out.update(FORBIDDEN)
+    named = {p.name for p in route.dependant.path_params} | {p.name for p in route.dependant.query_params if p.name == "study_id"}
+    if named:
+        out.update(NOT_FOUND)
+    if methods & _WRITES:
+        out.update(TOO_LARGE)
+        out.update(NOT_JSON)
+    if "get_session" in deps:
+        out.update(UNAVAILABLE)
+    return out
+
+
+def document_errors(app: FastAPI) -> None:
+    """Make ``app.openapi()`` list every answer of every route (see the module's docstring)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = generate()
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ErrorMessage, FieldErrors):
+            found = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(found.pop("$defs", {}))
+            schemas[model.__name__] = found
+        for path, methods, route in route_table(app):
+            if not isinstance(route, APIRoute) or not route.include_in_schema or path not in doc["paths"]:
+                continue
+            for method in methods:
+                operation = doc["paths"][path].get(method.lower())
+                if operation is None:
+                    continue
+                answers = operation.setdefault("responses", {})
+                for code, spec in _responses_of(route, methods).items():
+                    if str(code) in answers:
+                        continue  # the route's own description wins
+                    answer = {
+                        "description": spec["description"],
+                        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{spec['model'].__name__}"}}},
+                    }
+                    if "headers" in spec:
+                        answer["headers"] = spec["headers"]
+                    answers[str(code)] = answer
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+_compiled: dict[str, re.Pattern[str]] = {}
+
+
+def allowed_methods(app: FastAPI, path: str) -> set[str]:
+    """Every method some route serves at ``path``."""
+    allowed: set[str] = set()
+    for template, methods, _ in route_table(app):
+        pattern = _compiled.get(template)
+        if pattern is None:
+            pattern = _compiled[template] = compile_path(template)[0]
+        if pattern.match(path):
+            allowed |= methods
+    return allowed
+
+
+async def method_not_allowed(request: Request, exc: StarletteHTTPException) -> Response:
+    """405 with an ``Allow`` of every method of the path; other HTTP errors as FastAPI answers them."""
+    if exc.status_code != 405:
+        return await http_exception_handler(request, exc)
+    allowed = allowed_methods(request.app, request.url.path)
+    return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers={"Allow": ", ".join(sorted(allowed))})

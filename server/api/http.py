@@ -1,0 +1,63 @@
+"""The HTTP rules every route shares, installed on the app by :func:`install`.
+
+* request bodies: at most ``FUSETUNE_MAX_BODY_BYTES`` (413), JSON on write routes (415)
+  (:mod:`fusetune.server.api.limits`);
+* a database that cannot be reached is a 503 naming the reason, on every route, never a 500;
+* a 405's ``Allow`` lists every method of the path (:func:`errors.method_not_allowed`);
+* the event streams (:mod:`fusetune.server.api.events`) and ``GET /metrics``
+  (:mod:`fusetune.server.api.ops`, :mod:`fusetune.server.metrics`), with every request timed;
+* the OpenAPI document lists every answer of every route (:func:`errors.document_errors`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fusetune.server.api import events, ops
+from fusetune.server.api.errors import document_errors, method_not_allowed
+from fusetune.server.api.limits import RequestBodyLimits
+from fusetune.server.metrics import Metrics, RequestMetrics
+
+
+log = logging.getLogger(__name__)
+
+#: SQLite's OperationalErrors that say the database cannot be used now (not a bad statement).
+_SQLITE_UNAVAILABLE = ("unable to open database", "database is locked", "disk i/o error", "database or disk is full")
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether a database error means the database cannot be reached or used now (503),
+    not that a statement was wrong (a 500: a bug)."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    orig = getattr(exc, "orig", None)
+    if isinstance(orig, sqlite3.OperationalError):
+        return str(orig).lower().startswith(_SQLITE_UNAVAILABLE)
+    return isinstance(exc, OperationalError)  # psycopg: connection failures, server shutdowns
+
+
+def install(app: FastAPI) -> None:
+    """Add the shared rules, the event and metrics routes to ``app`` (its settings in ``app.state``)."""
+    settings = app.state.settings
+    app.state.metrics = Metrics(app)
+    # The last middleware added runs first: every request is timed, refused ones included.
+    app.add_middleware(RequestBodyLimits, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, fastapi=app)
+    app.include_router(events.router)
+    app.include_router(ops.router)
+    app.add_exception_handler(StarletteHTTPException, method_not_allowed)  # type: ignore[arg-type]
+
+    async def database_unreachable(_: Request, exc: Exception) -> JSONResponse:
+        if not unreachable(exc):
+            log.error("database error", exc_info=exc)
+            return JSONResponse(status_code=500, content={"detail": "Internal Server Error"})
+        return JSONResponse(status_code=503, content={"detail": f"the database is unreachable: {ops._reason(exc)}"})
+
+    app.add_exception_handler(OperationalError, database_unreachable)
+    document_errors(app)

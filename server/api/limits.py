@@ -1,0 +1,89 @@
+"""What a request body may be: at most ``FUSETUNE_MAX_BODY_BYTES``, and JSON on write routes.
+
+* A body over the limit is a 413, whether its ``Content-Length`` says so (answered before
+  anything is read) or it is sent in chunks (counted as they arrive; the request stops at
+  the first byte over the limit). A body under it is read here and handed on unchanged.
+* A ``POST``, ``PUT``, ``PATCH`` or ``DELETE`` whose body is not JSON is a 415: a
+  ``Content-Type`` other than ``application/json`` (or ``application/*+json``), or a body
+  with no ``Content-Type`` at all. A cross-site HTML form can send only form data or text,
+  so no web page can make a browser create studies with the cookies or tokens it holds.
+"""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+class RequestBodyLimits:
+    """ASGI middleware enforcing the body limit (413) and JSON-only writes (415)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> JSONResponse:
+        return JSONResponse(
+            {"detail": f"the request body is larger than {self.max_bytes} bytes (FUSETUNE_MAX_BODY_BYTES)"}, status_code=413
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        if length is not None and not chunked:
+            try:
+                declared = int(length)
+            except ValueError:
+                await JSONResponse({"detail": "Content-Length is not a number"}, status_code=400)(scope, receive, send)
+                return
+            if declared > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+        has_body = chunked or (length is not None and length.strip() != "0")
+        content_type = headers.get("content-type")
+        if scope["method"] in WRITES and (content_type is not None or has_body) and not is_json(content_type or ""):
+            got = f"Content-Type {content_type!r}" if content_type is not None else "a body with no Content-Type"
+            await JSONResponse(
+                {"detail": f"the API takes JSON bodies (Content-Type: application/json), not {got}"}, status_code=415
+            )(scope, receive, send)
+            return
+        if not has_body:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # http.disconnect, when it comes
+
+        await self.app(scope, replay, send)
