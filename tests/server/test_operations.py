@@ -1,0 +1,319 @@
+"""Operations over real HTTP: body limits, JSON-only writes, ids past the database's range,
+405's Allow, /healthz and the other routes when the database is down, /metrics against the
+database, timezone-aware datetimes, and the event streams' scoping and resumption."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import optuna
+import pytest
+import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
+
+from fusetune.server import events
+from fusetune.server.db import Array, ArrayMember, ArrayState, Event, Study, Trial, TrialState, get_engine, get_optuna_storage, get_sessionmaker
+from tests.conftest import POSTGRES_ENV
+from tests.server.conftest import LiveApi, live_api
+from tests.sse import events_of, parse
+
+STUDY = {"workload": "digits-mlp", "n_trials": 4, "epochs": 1}
+METRICS_TOKEN = "metrics-" + "x" * 24
+
+
+@pytest.fixture
+def small(database_url: str) -> Iterator[LiveApi]:
+    """The API with a 1 KiB body limit and a metrics token."""
+    yield from live_api(database_url, max_body_bytes=1024, metrics_token=METRICS_TOKEN)
+
+
+def study_rows(url: str) -> int:
+    with get_engine(url).connect() as conn:
+        return conn.execute(sa.text("SELECT COUNT(*) FROM ft_studies")).scalar_one()
+
+
+def test_a_body_over_the_limit_is_413_by_content_length_and_in_chunks(small: LiveApi) -> None:
+    api = small.client(small.token_for("default"))
+    big = {**STUDY, "name": "big", "search_space": {f"p{i}": '{"name": "FloatDistribution", "attributes": {"low": 0, "high": 1}}' for i in range(40)}}
+    body = json.dumps(big).encode()
+    assert len(body) > 1024
+    response = api.post("/api/v1/studies", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text
+    assert "1024 bytes" in response.json()["detail"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: Transfer-Encoding: chunked
+        for i in range(0, len(body), 100):
+            yield body[i : i + 100]
+
+    response = api.post("/api/v1/studies", content=chunks(), headers={"content-type": "application/json"})
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    assert response.status_code == 413, response.text
+    assert study_rows(small.database_url) == 0
+    # A body under the limit, chunked too, goes through unchanged.
+    small_body = json.dumps({**STUDY, "name": "small"}).encode()
+    response = api.post("/api/v1/studies", content=iter([small_body[:10], small_body[10:]]), headers={"content-type": "application/json"})
+    assert response.status_code == 201, response.text
+    assert response.json()["name"] == "small"
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/x-www-form-urlencoded", "workload=digits-mlp&n_trials=4"),
+        ("application/x-www-form-urlencoded", json.dumps(STUDY)),  # what `curl -d @sweep.json` sends
+        ("multipart/form-data; boundary=x", '--x\r\nContent-Disposition: form-data; name="workload"\r\n\r\ndigits-mlp\r\n--x--\r\n'),
+        ("text/plain", json.dumps(STUDY)),  # a cross-site form's enctype=text/plain
+        (None, json.dumps(STUDY)),
+    ],
+)
+def test_a_write_whose_body_is_not_json_is_415(api: httpx.Client, database_url: str, content_type: str | None, body: str) -> None:
+    headers = {"content-type": content_type} if content_type else {}
+    response = api.post("/api/v1/studies", content=body.encode(), headers=headers)
+    assert response.request.headers.get("content-type") == content_type
+    assert response.status_code == 415, response.text
+    assert "application/json" in response.json()["detail"]
+    assert study_rows(database_url) == 0
+    # JSON with a charset, or a +json type, is JSON.
+    ok = api.post("/api/v1/studies", content=json.dumps(STUDY).encode(), headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 201, ok.text
+
+
+@pytest.mark.parametrize("bad", [2**31, 2**63, 99999999999999999999, 0, -1])
+def test_ids_past_the_databases_integers_are_422_naming_them(api: httpx.Client, bad: int) -> None:
+    for template, name in [
+        ("/api/v1/studies/{}", "study_id"),
+        ("/api/v1/studies/{}/trials", "study_id"),
+        ("/api/v1/studies/{}/events", "study_id"),
+        ("/api/v1/trials/{}", "trial_id"),
+    ]:
+        response = api.get(template.format(bad))
+        assert response.status_code == 422, (template, response.text)
+        assert [e["loc"] for e in response.json()["detail"]] == [["path", name]]
+    response = api.delete(f"/api/v1/tokens/{bad}")
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["path", "token_id"]
+    response = api.get("/api/v1/arrays", params={"study_id": bad})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["query", "study_id"]
+    # The largest id the database holds is merely missing.
+    assert api.get(f"/api/v1/studies/{2**31 - 1}").status_code == 404
+
+
+def test_event_ids_past_int64_are_422_naming_them(api: httpx.Client) -> None:
+    response = api.get("/api/v1/events", params={"follow": "false"}, headers={"Last-Event-ID": str(2**63)})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["header", "Last-Event-ID"]
+    response = api.get("/api/v1/events", params={"follow": "false", "after": -1})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["query", "after"]
+    response = api.get("/api/v1/events", params={"follow": "false"}, headers={"Last-Event-ID": str(2**63 - 1)})
+    assert response.status_code == 200 and events_of(response.text) == []
+
+
+def test_405_allows_every_method_of_the_path(api: httpx.Client) -> None:
+    for method, path, allowed in [
+        ("DELETE", "/api/v1/studies", {"GET", "POST"}),
+        ("PUT", "/api/v1/tenants", {"GET", "POST"}),
+        ("POST", "/api/v1/trials/1", {"GET"}),
+        ("PUT", "/healthz", {"GET"}),
+    ]:
+        response = api.request(method, path)
+        assert response.status_code == 405, (method, path)
+        assert set(response.headers["allow"].split(", ")) >= allowed, (path, response.headers["allow"])
+        assert method not in response.headers["allow"]
+
+
+@contextmanager
+def unreachable(url: str) -> Iterator[None]:
+    """Make the database refuse new connections (and drop the app's), then restore it."""
+    engine = get_engine(url)
+    if engine.dialect.name == "sqlite":
+        folder = Path(make_url(url).database).parent
+        moved = folder.with_name(folder.name + "-gone")
+        engine.dispose()
+        os.rename(folder, moved)
+        try:
+            yield
+        finally:
+            os.rename(moved, folder)
+            engine.dispose()
+        return
+    name = make_url(url).database
+    admin = sa.create_engine(os.environ[POSTGRES_ENV], isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false'))
+        conn.execute(sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"), {"n": name})
+    try:
+        yield
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true'))
+        admin.dispose()
+        engine.dispose()
+
+
+def test_healthz_and_the_api_answer_503_while_the_database_is_unreachable(live: LiveApi, api: httpx.Client) -> None:
+    assert live.client().get("/healthz").status_code == 200
+    with unreachable(live.database_url):
+        response = live.client().get("/healthz")
+        assert response.status_code == 503, response.text
+        assert response.json()["detail"].startswith("the database is unreachable: ")
+        response = api.get("/api/v1/studies")  # authenticating reads the database
+        assert response.status_code == 503, response.text
+        assert live.client().get("/metrics").status_code == 503
+    assert live.client().get("/healthz").status_code == 200
+    assert api.get("/api/v1/studies").status_code == 200
+
+
+def _scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_match_the_database_and_need_the_metrics_token(small: LiveApi) -> None:
+    api = small.client(small.token_for("default"))
+    assert small.client().get("/metrics").status_code == 401
+    assert small.client(small.admin_token).get("/metrics").status_code == 401  # not a metrics token
+    study_id = api.post("/api/v1/studies", json={**STUDY, "name": "m"}).json()["id"]
+    url = small.database_url
+    storage = get_optuna_storage(url)
+    states = [TrialState.WAITING, TrialState.RUNNING, TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL]
+    with get_sessionmaker(url)() as session:  # trials and arrays as the coordinator writes them
+        optuna_study_id = session.get(Study, study_id).optuna_study_id
+        trials = []
+        for number, state in enumerate(states):
+            trial = Trial(study_id=study_id, optuna_trial_id=storage.create_new_trial(optuna_study_id), number=number,
+                          params={}, signature="s" * 64, state=state)
+            session.add(trial)
+            trials.append(trial)
+        session.flush()
+        session.add(Array(study_id=study_id, signature="s" * 64, members=[ArrayMember(slot=0, trial_id=trials[1].id)]))
+        session.add(Array(study_id=study_id, signature="s" * 64, state=ArrayState.COMPLETE,
+                          members=[ArrayMember(slot=0, trial_id=trials[3].id)]))
+        session.commit()
+    metrics = small.client(METRICS_TOKEN)
+    api.get("/api/v1/studies")
+    samples = _scrape(metrics)
+    with get_sessionmaker(url)() as session:
+        counts = dict(session.execute(select(Trial.state, func.count()).group_by(Trial.state)).all())
+        running = session.scalar(select(func.count()).select_from(Array).where(Array.state == ArrayState.RUNNING))
+    for state in TrialState:
+        assert samples[("fusetune_trials", (("state", state.value),))] == counts.get(state, 0), state
+    assert counts[TrialState.RUNNING] == 2 and running == 1
+    assert samples[("fusetune_arrays_running", ())] == running
+    assert samples[("fusetune_studies", (("state", "RUNNING"),))] == 1
+    # The API alone has no workers and records no reports.
+    assert samples[("fusetune_workers", (("state", "busy"),))] == 0
+    assert samples[("fusetune_worker_utilization_ratio", ())] == 0
+    assert samples[("fusetune_epoch_reports_total", ())] == 0
+    latency = {labels: v for (name, labels), v in samples.items() if name == "fusetune_http_request_duration_seconds_count"}
+    assert latency[(("method", "GET"), ("route", "/api/v1/studies"), ("status", "200"))] >= 1
+    assert latency[(("method", "GET"), ("route", "/metrics"), ("status", "401"))] == 2
+
+
+def test_datetimes_are_rfc3339_with_an_offset(api: httpx.Client) -> None:
+    from datetime import datetime
+
+    study = api.post("/api/v1/studies", json={**STUDY, "name": "when"}).json()
+    for stamp in (study["created_at"], api.get(f"/api/v1/studies/{study['id']}").json()["created_at"]):
+        parsed = datetime.fromisoformat(stamp)
+        assert parsed.utcoffset() is not None and parsed.utcoffset().total_seconds() == 0, stamp
+    token = api.get("/api/v1/tenants/default/tokens").json()[0]
+    assert datetime.fromisoformat(token["created_at"]).tzinfo is not None
+
+
+# -- events ------------------------------------------------------------------------------------
+
+
+def _two_tenants(live: LiveApi) -> tuple[dict[str, httpx.Client], dict[str, int]]:
+    clients, studies = {}, {}
+    for name in ("acme", "umbrella"):
+        _, token = live.create_tenant(name)
+        clients[name] = live.client(token)
+        studies[name] = clients[name].post("/api/v1/studies", json={**STUDY, "name": f"{name}-study"}).json()["id"]
+    return clients, studies
+
+
+def _record(url: str, tenant: str, study_id: int, kinds: list[str]) -> None:
+    """Events as the coordinator writes them: one transaction, through events.record."""
+    with get_sessionmaker(url)() as session:
+        for step, kind in enumerate(kinds):
+            events.record(session, kind, tenant=tenant, study_id=study_id, trial_id=1, step=step)
+        session.commit()
+
+
+def test_a_tenant_sees_only_its_own_events_and_resumes_after_the_last_seen(live: LiveApi) -> None:
+    clients, studies = _two_tenants(live)
+    _record(live.database_url, "acme", studies["acme"], ["trial.asked", "trial.started"])
+    _record(live.database_url, "umbrella", studies["umbrella"], ["trial.asked"])
+    _record(live.database_url, "acme", studies["acme"], ["trial.reported", "trial.ended"])
+    stored = {"follow": "false", "after": 0}
+
+    acme = events_of(clients["acme"].get("/api/v1/events", params=stored).text)
+    assert [e["event"] for e in acme] == ["trial.asked", "trial.started", "trial.reported", "trial.ended"]
+    assert {e["data"]["tenant"] for e in acme} == {"acme"}
+    ids = [int(e["id"]) for e in acme]
+    assert ids == sorted(ids) and [e["data"]["id"] for e in acme] == ids
+    assert [e["data"]["data"]["step"] for e in acme] == [0, 1, 0, 1]
+
+    umbrella = events_of(clients["umbrella"].get("/api/v1/events", params=stored).text)
+    assert [(e["event"], e["data"]["study_id"]) for e in umbrella] == [("trial.asked", studies["umbrella"])]
+    # Another tenant's study does not exist for it; the admin sees both tenants.
+    foreign = clients["umbrella"].get(f"/api/v1/studies/{studies['acme']}/events", params=stored)
+    assert foreign.status_code == 404
+    assert foreign.json() == {"detail": f"study {studies['acme']} does not exist"}
+    everyone = events_of(live.client(live.admin_token).get("/api/v1/events", params=stored).text)
+    assert len(everyone) == 5
+
+    # Last-Event-ID resumes exactly after it (and wins over ?after=).
+    for seen in range(len(acme)):
+        again = clients["acme"].get("/api/v1/events", params=stored, headers={"Last-Event-ID": acme[seen]["id"]})
+        assert events_of(again.text) == acme[seen + 1 :]
+    per_study = events_of(clients["acme"].get(f"/api/v1/studies/{studies['acme']}/events", params=stored).text)
+    assert per_study == acme
+    # Without an id a stream starts with what happens next.
+    assert events_of(clients["acme"].get("/api/v1/events", params={"follow": "false"}).text) == []
+
+
+def test_a_followed_stream_delivers_new_events_as_they_are_committed(live: LiveApi) -> None:
+    clients, studies = _two_tenants(live)
+    _record(live.database_url, "acme", studies["acme"], ["trial.asked"])
+    got: list[dict] = []
+
+    with clients["acme"].stream("GET", f"/api/v1/studies/{studies['acme']}/events", params={"after": 0}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for event in parse(response.iter_lines()):
+            got.append(event)
+            if len(got) == 1:
+                # Written while the stream is open: another tenant's, then this study's.
+                _record(live.database_url, "umbrella", studies["umbrella"], ["trial.asked"])
+                _record(live.database_url, "acme", studies["acme"], ["trial.started", "trial.reported"])
+            if len(got) == 3:
+                break
+    assert [e["event"] for e in got] == ["trial.asked", "trial.started", "trial.reported"]
+    assert {e["data"]["tenant"] for e in got} == {"acme"}
+
+
+def test_events_past_the_retention_are_pruned(database_url: str) -> None:
+    from datetime import timedelta
+
+    from fusetune.server.db import upgrade, utcnow
+
+    upgrade(database_url)
+    with get_sessionmaker(database_url)() as session:
+        session.add(Event(tenant="default", study_id=1, kind="trial.asked", data={}, created_at=utcnow() - timedelta(days=8)))
+        events.record(session, "trial.started", tenant="default", study_id=1)
+        session.commit()
+        assert events.prune(session, retention_s=7 * 24 * 3600) == 1
+        session.commit()
+        assert [e.kind for e in session.scalars(select(Event))] == ["trial.started"]
