@@ -18,9 +18,12 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/fusetune demo
 
-# Tools the tests drive that PyPI does not carry: docker-compose validates docker-compose.yml.
+# Tools the tests drive that PyPI does not carry: docker-compose validates docker-compose.yml;
+# Debian's Chromium runs the dashboard's browser tests (Playwright drives /usr/bin/chromium;
+# its own browser download is not used).
 system-deps:
 	@command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
+	@test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest

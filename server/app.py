@@ -14,6 +14,7 @@ from fusetune.server import service
 from fusetune.server.api import health_router, router, tenants_router
 from fusetune.server.api.http import install as install_http
 from fusetune.server.coordinator import Coordinator
+from fusetune.server.dashboard import mount_dashboard
 from fusetune.server.db import get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.settings import Settings, get_settings
 from fusetune.workers.pool import WorkerPool
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
     app.include_router(router)
     app.include_router(tenants_router)
     app.include_router(health_router)
+    mount_dashboard(app)  # the web dashboard at /, and the routes it reads
     install_http(app)  # body limits, JSON-only writes, 503s, 405's Allow, events, /metrics, OpenAPI errors
 
     @app.exception_handler(service.NotFound)

@@ -45,6 +45,17 @@ def test_the_wheel_holds_only_the_fusetune_package(wheel: Path) -> None:
     assert tops == {"fusetune", next(t for t in tops if t.endswith(".dist-info"))}
     assert "fusetune/migrations/script.py.mako" in names
     assert "fusetune/server/cli.py" in names
+    # The dashboard's page, its modules and the vendored libraries with their licences.
+    for data in (
+        "fusetune/server/dashboard/static/index.html",
+        "fusetune/server/dashboard/static/app.js",
+        "fusetune/server/dashboard/static/views/study.js",
+        "fusetune/server/dashboard/vendor/echarts-6.1.0/echarts.esm.min.js",
+        "fusetune/server/dashboard/vendor/echarts-6.1.0/LICENSE",
+        "fusetune/server/dashboard/vendor/uplot-1.6.32/uPlot.esm.js",
+        "fusetune/server/dashboard/vendor/uplot-1.6.32/LICENSE",
+    ):
+        assert data in names, data
 
 
 def test_a_fresh_venv_imports_fusetune_and_runs_the_command(wheel: Path, tmp_path: Path) -> None:

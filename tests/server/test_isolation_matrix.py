@@ -137,6 +137,34 @@ def events_seen(world: World, actor: str, response: httpx.Response) -> None:
     assert seen == (["event: trial.asked"] if actor in ("owner", "admin") else []), (actor, response.text)
 
 
+def dashboard_page_is_public(world: World, actor: str, response: httpx.Response) -> None:
+    """The page is HTML, and its scripts come without a token too (they hold no data)."""
+    assert response.headers["content-type"].startswith("text/html")
+    assert "dashboard/app.js" in response.text
+    for asset in ("/dashboard/app.js", "/dashboard/vendor/echarts-6.1.0/echarts.esm.min.js"):
+        got = world.live.client(world.tokens[actor]).get(asset)
+        assert got.status_code == 200 and "javascript" in got.headers["content-type"], (asset, got.status_code)
+
+
+def timeline_seen(world: World, actor: str, response: httpx.Response) -> None:
+    if response.status_code == 200:
+        arrays = response.json()["arrays"]
+        assert [(a["id"], [m["trial_id"] for m in a["members"]]) for a in arrays] == [(world.array_id, [world.trial_id])]
+
+
+def cluster_seen(world: World, actor: str, response: httpx.Response) -> None:
+    """A tenant sees its own share, and the other tenants only summed up; the admin every tenant."""
+    if response.status_code != 200:
+        return
+    body = response.json()
+    names = [t["name"] for t in body["tenants"]]
+    if actor == "admin":  # every tenant, those the matrix's other rules made included
+        assert {"default", "other", "owner"} <= set(names), names
+    else:
+        assert names == [actor], names
+    assert (body["others"] is None) == (actor == "admin")
+
+
 #: (method, path) -> rule. Every route of the app, no more and no fewer.
 RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/healthz"): Rule(path("/healthz"), {actor: 200 for actor in ACTORS}),
@@ -186,6 +214,20 @@ RULES: dict[tuple[str, str], Rule] = {
     ),
     ("DELETE", "/api/v1/tokens/{token_id}"): Rule(
         revoke, {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}, revoked_only_when_allowed
+    ),
+    # The web dashboard: the page and its assets hold no data, so they need no token (every
+    # caller, a bad or revoked token included, gets them); what it shows comes from the routes
+    # below and the rest of /api/v1, under the same rules as any client.
+    ("GET", "/"): Rule(path("/"), {actor: 200 for actor in ACTORS}, dashboard_page_is_public),
+    ("GET", "/api/v1/studies/{study_id}/importances"): Rule(
+        path("/api/v1/studies/{study_id}/importances"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}
+    ),
+    ("GET", "/api/v1/studies/{study_id}/timeline"): Rule(
+        path("/api/v1/studies/{study_id}/timeline"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED},
+        timeline_seen,
+    ),
+    ("GET", "/api/v1/cluster"): Rule(
+        path("/api/v1/cluster"), {"owner": 200, "other": 200, "admin": 200, **UNAUTHENTICATED}, cluster_seen
     ),
     # Event streams: `follow=false` sends the stored events and ends. A tenant's stream shows
     # only its own tenant's; another tenant's study is a 404.

@@ -1,0 +1,144 @@
+// One study: its head (state, progress, actions) and the tabs progress, parameters, trials
+// and arrays. The trials are loaded once, then kept current from the event stream and the
+// updated_since cursor; the visible tab repaints once per frame at most.
+
+import { h, clear, fmtDate, fmtDuration, elapsed, perFrame, announce } from "../util.js";
+import { StudyStore } from "../store.js";
+import { ApiError } from "../api.js";
+import { progressBar, bestText, actionAvailable, runAction, ACTIONS } from "./studies.js";
+import { progressTab } from "./progress.js";
+import { paramsTab } from "./params.js";
+import { trialsTab, trialDrawer } from "./trials.js";
+import { arraysTab } from "./arrays.js";
+
+const TABS = [
+  { id: "progress", label: "Progress", make: progressTab },
+  { id: "params", label: "Parameters", make: paramsTab },
+  { id: "trials", label: "Trials", make: trialsTab },
+  { id: "arrays", label: "Arrays", make: arraysTab },
+];
+
+
+export function studyView(studyId, initialTab) {
+  const store = new StudyStore(studyId);
+  const head = h("div.study-head");
+  const tabBar = h("div.tabs", { role: "tablist", "aria-label": "Study views" });
+  const panes = h("div");
+  const root = h("div", { "data-study-id": studyId }, head, tabBar, panes);
+  const made = new Map(); // tab id -> {root, update, dispose}
+  let active = null;
+  let drawer = null;
+  let selection = null;
+  const dirty = new Set();
+
+  const ctx = {
+    store,
+    openTrial(id) {
+      drawer?.close();
+      drawer = trialDrawer(id, {
+        onClose: () => { drawer = null; },
+        onArray: (arrayId) => { location.hash = `#/studies/${studyId}/arrays`; setTimeout(() => made.get("arrays")?.focusArray(arrayId), 0); },
+      });
+      document.body.append(drawer.root);
+    },
+    setSelection(ids) {
+      selection = ids;
+      made.get("trials")?.setSelection(ids);
+    },
+  };
+
+  for (const t of TABS) {
+    tabBar.append(h("a", {
+      href: `#/studies/${studyId}/${t.id}`, role: "tab", id: `tab-${t.id}`, "data-tab": t.id, "aria-controls": `pane-${t.id}`,
+      onkeydown: (e) => {
+        if (e.key !== "ArrowRight" && e.key !== "ArrowLeft") return;
+        const i = TABS.findIndex((x) => x.id === t.id) + (e.key === "ArrowRight" ? 1 : -1);
+        const next = TABS[(i + TABS.length) % TABS.length];
+        location.hash = `#/studies/${studyId}/${next.id}`;
+        document.getElementById(`tab-${next.id}`)?.focus();
+      },
+    }, t.label));
+  }
+
+  function renderHead() {
+    const s = store.study;
+    const actions = ACTIONS.filter((a) => actionAvailable(a.name) && a.when(s)).map((a) =>
+      h(`button${a.danger ? ".danger" : ""}`, { type: "button", onclick: async () => { if (await runAction(s, a)) store.syncing(); } }, a.label));
+    clear(head).append(
+      h("h1", { "data-testid": "study-name" }, s.name),
+      h(`span.badge.${s.state}`, { "data-testid": "study-state" }, s.state),
+      h("div", ...progressBar(s)),
+      h("span.meta", `${s.workload} · tenant ${s.tenant} · best ${bestText(s)} · created ${fmtDate(s.created_at)} · ${fmtDuration(elapsed(s.created_at, s.completed_at))}`),
+      h("div.actions", actions),
+    );
+    document.title = `fusetune · ${s.name}`;
+  }
+
+  function showTab(id) {
+    if (!TABS.some((t) => t.id === id)) id = "progress";
+    active = id;
+    for (const a of tabBar.children) a.setAttribute("aria-selected", String(a.dataset.tab === id));
+    for (const pane of panes.children) pane.hidden = pane.dataset.pane !== id;
+    if (!store.study) return;
+    let tab = made.get(id);
+    if (!tab) {
+      const pane = h("div", { role: "tabpanel", id: `pane-${id}`, "data-pane": id, "aria-labelledby": `tab-${id}` });
+      panes.append(pane);
+      tab = TABS.find((t) => t.id === id).make(ctx);
+      made.set(id, tab);
+      pane.append(tab.root);
+      if (id === "trials" && selection) tab.setSelection(selection);
+      tab.update();
+      dirty.delete(id);
+    } else if (dirty.has(id)) {
+      dirty.delete(id);
+      tab.update();
+    }
+  }
+
+  const repaint = perFrame(() => {
+    if (!store.study) return;
+    renderHead();
+    for (const id of made.keys()) dirty.add(id);
+    const tab = made.get(active);
+    if (tab) { dirty.delete(active); tab.update(); }
+    root.dataset.version = String(store.version);
+  });
+
+  store.on((what) => { if (what === "study" || what === "trials") repaint(); });
+  store.on((what, s) => {
+    if (what !== "stream") return;
+    const el = document.getElementById("stream-state");
+    if (el) el.textContent = s === "open" ? "● live" : s === "retrying" ? "○ reconnecting" : "";
+  });
+
+  store.load().then(() => {
+    renderHead();
+    showTab(active ?? initialTab);
+    root.dataset.version = String(store.version);
+    store.start();
+  }).catch((err) => {
+    clear(root).append(h("div.empty", { "data-testid": "not-found" },
+      h("h2", err instanceof ApiError && err.status === 404 ? `Study ${studyId} does not exist` : "Could not load the study"),
+      h("p", err instanceof ApiError && err.status === 404
+        ? "There is no such study among those your token may read."
+        : err.message),
+      h("p", h("a", { href: "#/studies" }, "Back to the studies"))));
+    announce("Study not found");
+  });
+  active = initialTab;
+  clear(panes);
+  for (const a of tabBar.children) a.setAttribute("aria-selected", String(a.dataset.tab === initialTab));
+
+  return {
+    root,
+    studyId,
+    showTab,
+    store,
+    dispose() {
+      store.stop();
+      drawer?.close();
+      for (const tab of made.values()) tab.dispose();
+    },
+  };
+}
