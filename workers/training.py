@@ -8,7 +8,7 @@ import math
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any, Protocol
 
 import torch
