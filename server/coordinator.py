@@ -55,6 +55,7 @@ from fusetune.server.db import (
     utcnow,
 )
 from fusetune.server import events
+from fusetune.server.db.revisions import touch_trials
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
@@ -775,6 +776,8 @@ class Coordinator:
                         mirror.set_user_attrs(session, optuna_id[joined.trial_id], {"resumed_at_epochs": [*before, joined.resumed_at_epoch]})
                 self._truncate_resumed(session, mirror, report, optuna_id)
                 mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
+                # Their Optuna trials got a value: pollers (updated_since) read them again.
+                touch_trials(session, [m.trial_id for m in report.members])
                 self._note_checkpoints(session, live, report)
                 for member in report.members:
                     events.record(session, "trial.reported", **where, trial_id=member.trial_id, step=member.step, value=_json_number(member.value))

@@ -11,7 +11,7 @@ import enum
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Enum, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
@@ -152,9 +152,16 @@ class Trial(Base):
     """One trial of a study, linked to its Optuna trial and to the array that trained it."""
 
     __tablename__ = "ft_trials"
+    __table_args__ = (
+        # A study's trials in pages (server/service.py list_trials): by number, by revision
+        # (the updated_since polls), and per state by value (best trials, counts per state).
+        Index("ix_ft_trials_study_number", "study_id", "number", "id"),
+        Index("ix_ft_trials_study_revision", "study_id", "revision", "id"),
+        Index("ix_ft_trials_study_state_value", "study_id", "state", "value"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    study_id: Mapped[int] = mapped_column(ForeignKey("ft_studies.id", ondelete="CASCADE"), index=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("ft_studies.id", ondelete="CASCADE"))
     optuna_trial_id: Mapped[int] = mapped_column(Integer, unique=True)
     number: Mapped[int] = mapped_column(Integer)
     params: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -172,6 +179,10 @@ class Trial(Base):
     #: reported it (None: none). A trial whose array died, or whose service restarted,
     #: resumes from it; the control plane never looks into the store itself.
     checkpoint_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+    #: The trial's last change, in the order changes were committed (server/db/revisions.py):
+    #: every change to the row or to its Optuna trial (a reported value, attrs) stamps it.
+    revision: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     study: Mapped[Study] = relationship(back_populates="trials")
     array: Mapped[Array | None] = relationship(back_populates="trials", foreign_keys=[array_id])
@@ -290,3 +301,17 @@ class Event(Base):
     array_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class Revision(Base):
+    """The one counter that numbers committed changes to trials (server/db/revisions.py).
+
+    A transaction that changes a trial takes the next value by updating this row, and holds
+    the row's lock until it commits: revisions are therefore committed in increasing order,
+    and a reader that sees revision N sees every change numbered below it.
+    """
+
+    __tablename__ = "ft_revision"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
