@@ -30,8 +30,11 @@ def space(**distributions: D.BaseDistribution) -> dict[str, str]:
 def service(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, str, Path]]:
     root = tmp_path_factory.mktemp("service")
     url = f"sqlite:///{root / 'fusetune.db'}"
+    # min_member_efficiency near 0: whether a waiting trial may join an array must not hang on
+    # how fast this machine measured a fused step against a solo one.
     with running_service(
-        ray_cluster, url, cpu_workers=1, max_array_size=4, artifact_dir=root / "artifacts", checkpoint_interval_s=0
+        ray_cluster, url, cpu_workers=1, max_array_size=4, artifact_dir=root / "artifacts", checkpoint_interval_s=0,
+        min_member_efficiency=1e-6,
     ) as client:
         yield client, url, root / "artifacts"
 
