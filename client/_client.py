@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
 FINISHED = {"COMPLETE", "PRUNED", "FAIL"}
+#: Rows per page when the client reads a whole listing (the service's most).
+PAGE_SIZE = 1000
 
 
 #: The service a client talks to when no ``url`` is given and ``FUSETUNE_URL`` is unset.
@@ -27,6 +30,15 @@ class FusetuneError(RuntimeError):
         super().__init__(f"HTTP {status_code}: {detail}")
         self.status_code = status_code
         self.detail = detail
+
+
+def _failure(response: httpx.Response) -> FusetuneError:
+    """The error an answer of the service says."""
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = response.text
+    return FusetuneError(response.status_code, detail)
 
 
 class Client:
@@ -62,6 +74,22 @@ class Client:
             raise FusetuneError(response.status_code, detail)
         return response.json()
 
+    def pages(self, path: str, params: dict[str, Any] | None = None) -> Iterator[list[dict[str, Any]]]:
+        """Each page of a listing route (``/api/v1/studies``, ``.../trials``, ...), following
+        the ``Link: <...>; rel="next"`` header of each until the last page."""
+        url: str | None = path
+        while url is not None:
+            response = self._http.get(url, params=params)
+            if response.is_error:
+                raise _failure(response)
+            yield response.json()
+            url, params = response.links.get("next", {}).get("url"), None  # the link carries the query
+
+    def _listing(self, path: str, **params: Any) -> list[dict[str, Any]]:
+        """Every row of a listing; ``params`` left None are not sent."""
+        query = {"limit": PAGE_SIZE, **{k: v for k, v in params.items() if v is not None}}
+        return [row for page in self.pages(path, query) for row in page]
+
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/healthz")
 
@@ -73,18 +101,54 @@ class Client:
         """Submit a study given as the raw request body (e.g. loaded from ``sweep.json``)."""
         return self._call("POST", "/api/v1/studies", json=request)
 
-    def studies(self, name: str | None = None) -> list[dict[str, Any]]:
-        """The studies this token sees; only the one named ``name`` if given."""
-        return self._call("GET", "/api/v1/studies", params={"name": name} if name is not None else {})
+    def studies(
+        self, name: str | None = None, *, tenant: str | None = None, state: str | list[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """The studies this token sees (every page); only the one named ``name``, those of
+        ``tenant`` (the admin) or in ``state`` (one or several) if given."""
+        return self._listing("/api/v1/studies", name=name, tenant=tenant, state=state)
 
     def study(self, study_id: int) -> dict[str, Any]:
         return self._call("GET", f"/api/v1/studies/{study_id}")
 
-    def trials(self, study_id: int) -> list[dict[str, Any]]:
-        return self._call("GET", f"/api/v1/studies/{study_id}/trials")
+    def trials(
+        self,
+        study_id: int,
+        *,
+        state: str | list[str] | None = None,
+        sort: str | None = None,
+        updated_since: int | None = None,
+        max_points: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """The study's trials, every page: by ``number`` unless ``sort`` says otherwise
+        (``-number``, ``value``, ``-value``, ``revision``), only those in ``state`` if given,
+        only those changed after revision ``updated_since`` if given (see :meth:`changes`),
+        learning curves downsampled to ``max_points`` if given."""
+        return self._listing(
+            f"/api/v1/studies/{study_id}/trials", state=state, sort=sort, updated_since=updated_since, max_points=max_points
+        )
 
-    def trial(self, trial_id: int) -> dict[str, Any]:
-        return self._call("GET", f"/api/v1/trials/{trial_id}")
+    def changes(self, study_id: int, since: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """The trials of the study that changed after revision ``since`` (0: all of them), in
+        the order of their changes, and the revision to pass next time: a poller downloads
+        each change once, and only the changes."""
+        rows = self.trials(study_id, updated_since=since)
+        return rows, max([since, *(row["revision"] for row in rows)])
+
+    def trial(self, trial_id: int, *, max_points: int | None = None) -> dict[str, Any]:
+        params = {"max_points": max_points} if max_points is not None else {}
+        return self._call("GET", f"/api/v1/trials/{trial_id}", params=params)
+
+    def download_state_dict(self, trial_id: int, path: str | os.PathLike[str] | None = None) -> bytes:
+        """The trained weights of a COMPLETE trial: the bytes of ``torch.save(state_dict)``
+        (``torch.load(io.BytesIO(data))``), also written to ``path`` if given."""
+        response = self._http.get(f"/api/v1/trials/{trial_id}/state_dict")
+        if response.is_error:
+            raise _failure(response)
+        if path is not None:
+            with open(path, "wb") as f:
+                f.write(response.content)
+        return response.content
 
     def enqueue_trial(self, study_id: int, params: dict[str, Any], user_attrs: dict[str, Any] | None = None) -> dict[str, Any]:
         """Optuna's ``enqueue_trial`` on the service: the study's next trial, asked at once."""
@@ -98,15 +162,15 @@ class Client:
     def set_study_user_attr(self, study_id: int, key: str, value: Any) -> dict[str, Any]:
         return self._call("PUT", f"/api/v1/studies/{study_id}/user_attrs/{key}", json={"value": value})
 
-    def arrays(self, study_id: int | None = None) -> list[dict[str, Any]]:
-        params = {"study_id": study_id} if study_id is not None else {}
-        return self._call("GET", "/api/v1/arrays", params=params)
+    def arrays(self, study_id: int | None = None, *, state: str | list[str] | None = None) -> list[dict[str, Any]]:
+        """The arrays this token sees (every page), of one study or in ``state`` if given."""
+        return self._listing("/api/v1/arrays", study_id=study_id, state=state)
 
     # Tenants and tokens. Creating tenants and changing weights or quotas takes the admin's token.
 
     def tenants(self) -> list[dict[str, Any]]:
         """Every tenant (admin), or this token's own tenant."""
-        return self._call("GET", "/api/v1/tenants")
+        return self._listing("/api/v1/tenants")
 
     def create_tenant(self, name: str, weight: float = 1.0, **fields: Any) -> dict[str, Any]:
         """A new tenant (admin): ``{"tenant": {...}, "token": {"id": ..., "token": ...}}``; the
@@ -122,7 +186,7 @@ class Client:
 
     def tokens(self, tenant: str) -> list[dict[str, Any]]:
         """A tenant's tokens: ids, labels, dates (never the tokens themselves)."""
-        return self._call("GET", f"/api/v1/tenants/{tenant}/tokens")
+        return self._listing(f"/api/v1/tenants/{tenant}/tokens")
 
     def create_token(self, tenant: str, label: str | None = None) -> dict[str, Any]:
         """Another token for ``tenant`` (the admin, or the tenant itself); ``["token"]`` is shown only here."""
@@ -135,7 +199,7 @@ class Client:
 
     def tenants(self) -> list[dict[str, Any]]:
         """Every tenant (admin), or this token's own tenant."""
-        return self._call("GET", "/api/v1/tenants")
+        return self._listing("/api/v1/tenants")
 
     def create_tenant(self, name: str, weight: float = 1.0, **fields: Any) -> dict[str, Any]:
         """A new tenant (admin): ``{"tenant": {...}, "token": {"id": ..., "token": ...}}``; the
@@ -151,7 +215,7 @@ class Client:
 
     def tokens(self, tenant: str) -> list[dict[str, Any]]:
         """A tenant's tokens: ids, labels, dates (never the tokens themselves)."""
-        return self._call("GET", f"/api/v1/tenants/{tenant}/tokens")
+        return self._listing(f"/api/v1/tenants/{tenant}/tokens")
 
     def create_token(self, tenant: str, label: str | None = None) -> dict[str, Any]:
         """Another token for ``tenant`` (the admin, or the tenant itself); ``["token"]`` is shown only here."""

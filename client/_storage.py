@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from collections.abc import Container, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -49,6 +51,10 @@ class Storage(optuna.storages.BaseStorage):
         self._client = Client(url, token=token, timeout=timeout)
         # Finished trials never change on the service, so they are parsed once.
         self._finished: dict[int, FrozenTrial] = {}
+        # Each study's trials as last read, and the revision they are read up to: a later
+        # get_all_trials downloads only the trials changed since (updated_since).
+        self._trials: dict[int, _StudyTrials] = {}
+        self._lock = threading.Lock()
 
     # Pickled for optuna's own multiprocessing helpers: the HTTP connection is not.
     def __getstate__(self) -> dict[str, Any]:
@@ -145,8 +151,26 @@ class Storage(optuna.storages.BaseStorage):
     def get_all_trials(
         self, study_id: int, deepcopy: bool = True, states: Container[TrialState] | None = None
     ) -> list[FrozenTrial]:
-        rows = self._found(lambda: self._client.trials(study_id), f"study {study_id}")
-        trials = [self._finished.get(row["id"]) or self._frozen(row) for row in rows]
+        """Every trial of the study, by number. The first call reads them all; later calls
+        download only the trials that changed since the previous one (``updated_since``)."""
+        with self._lock:
+            known = self._trials.get(study_id)
+            since = known.revision if known is not None else 0
+        try:
+            rows, revision = self._found(lambda: self._client.changes(study_id, since), f"study {study_id}")
+        except KeyError:
+            with self._lock:
+                self._trials.pop(study_id, None)  # deleted, or never this tenant's
+            raise
+        with self._lock:
+            known = self._trials.setdefault(study_id, _StudyTrials())
+            for row in rows:
+                # A concurrent call may have merged a newer read of the trial already.
+                if row["revision"] >= known.revisions.get(row["id"], -1):
+                    known.trials[row["id"]] = self._frozen(row)  # it changed: parse it again
+                    known.revisions[row["id"]] = row["revision"]
+            known.revision = max(known.revision, revision)
+            trials = sorted(known.trials.values(), key=lambda t: t.number)
         if states is not None:
             trials = [t for t in trials if t.state in states]
         return copy.deepcopy(trials) if deepcopy else trials
@@ -189,6 +213,15 @@ class Storage(optuna.storages.BaseStorage):
         if state.is_finished():
             self._finished[row["id"]] = trial
         return trial
+
+
+@dataclass
+class _StudyTrials:
+    """One study's trials as a :class:`Storage` last read them."""
+
+    revision: int = 0  # every change up to this revision has been read
+    trials: dict[int, FrozenTrial] = field(default_factory=dict)  # by fusetune trial id
+    revisions: dict[int, int] = field(default_factory=dict)  # each trial's revision as read
 
 
 def _json(value: Any) -> str:

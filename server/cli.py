@@ -128,10 +128,24 @@ class DatabaseTenants:
             out = call(session, *args, **kwargs)
         return [o.model_dump(mode="json") for o in out] if isinstance(out, list) else out.model_dump(mode="json")
 
+    def _all(self, call: Any, *args: Any) -> list[dict[str, Any]]:
+        """Every page of a listing, as the REST client follows its Link headers."""
+        from fusetune.server.pagination import MAX_LIMIT, PageParams
+
+        rows: list[dict[str, Any]] = []
+        after = None
+        with self.sessions() as session:
+            while True:
+                page = call(session, *args, page=PageParams(limit=MAX_LIMIT, after=after))
+                rows += [o.model_dump(mode="json") for o in page.items]
+                if page.next is None:
+                    return rows
+                after = page.next
+
     def tenants(self) -> list[dict[str, Any]]:
         from fusetune.server import tenants
 
-        return self._run(tenants.list_tenants)
+        return self._all(tenants.list_tenants)
 
     def create_tenant(self, name: str, weight: float = 1.0, **fields: Any) -> dict[str, Any]:
         from fusetune.server import tenants
@@ -151,7 +165,7 @@ class DatabaseTenants:
     def tokens(self, tenant: str) -> list[dict[str, Any]]:
         from fusetune.server import tenants
 
-        return self._run(tenants.list_tokens, tenant)
+        return self._all(tenants.list_tokens, tenant)
 
     def create_token(self, tenant: str, label: str | None = None) -> dict[str, Any]:
         from fusetune.server import tenants

@@ -417,6 +417,9 @@ class TrialOut(BaseModel):
     created_at: datetime
     started_at: datetime | None
     completed_at: datetime | None
+    revision: int = Field(
+        0, description="The trial's last change, in commit order: poll with updated_since=<the highest revision read>."
+    )
 
 
 class ArrayOut(BaseModel):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import uuid
 import warnings
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -16,11 +18,13 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from fusetune.server.db import Array, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
+from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
 from fusetune.server.optuna_specs import make_sampler
 from fusetune.server.schemas import TRAINING_ATTR, ArrayOut, BestTrial, PruningDecision, StudyCreate, StudyOut, TrialEnqueue, TrialOut
 from fusetune.workers.spec import TrainingSpec
 from fusetune.workers.workloads import available_workloads, UnknownWorkloadError, get_workload
+from fusetune.server import reads
+from fusetune.server.pagination import Page, PageParams
 
 if TYPE_CHECKING:
     from fusetune.server.coordinator import Coordinator
@@ -167,17 +171,29 @@ def _store_objectives_and_training(optuna_study: optuna.Study, request: StudyCre
 
 
 def list_studies(
-    session: Session, url: str, tenant: str | None = None, name: str | None = None, *, as_tenant: str | None = None
-) -> list[StudyOut]:
-    """Studies, optionally of one tenant or by name; a tenant sees only its own."""
-    query = select(Study).order_by(Study.id)
+    session: Session,
+    url: str,
+    tenant: str | None = None,
+    name: str | None = None,
+    *,
+    states: Sequence[StudyState] | None = None,
+    sort: str = "id",
+    page: PageParams = PageParams(),
+    as_tenant: str | None = None,
+) -> Page[StudyOut]:
+    """A page of studies, optionally of one tenant, by name or in ``states``; a tenant sees
+    only its own. Counts and best trials come in SQL for the whole page (``reads.study_outs``)."""
+    query = select(Study)
     if as_tenant is not None:
         query = query.where(Study.tenant == as_tenant)
     if tenant is not None:
         query = query.where(Study.tenant == tenant)
     if name is not None:
         query = query.where(Study.name == name)
-    return [_study_out(session, url, s) for s in session.scalars(query)]
+    if states:
+        query = query.where(Study.state.in_(list(states)))
+    found = reads.id_page(session, query, Study.id, sort, page)
+    return Page(_study_outs(session, url, found.items), found.next)
 
 
 def get_study(session: Session, url: str, study_id: int, *, as_tenant: str | None = None) -> StudyOut:
@@ -192,34 +208,17 @@ def _study(session: Session, study_id: int, as_tenant: str | None = None) -> Stu
 
 
 def _study_out(session: Session, url: str, study: Study) -> StudyOut:
-    counts = dict(
-        session.execute(
-            select(Trial.state, func.count()).where(Trial.study_id == study.id).group_by(Trial.state)
-        ).all()
-    )
-    out = StudyOut.model_validate(study)
-    storage = get_optuna_storage(url)
-    out.directions = [d.name.lower() for d in storage.get_study_directions(study.optuna_study_id)]
-    out.user_attrs = storage.get_study_user_attrs(study.optuna_study_id)
-    out.system_attrs = storage.get_study_system_attrs(study.optuna_study_id)
-    out.trial_counts = {state.value: counts.get(state, 0) for state in TrialState}
-    complete = session.scalars(
-        select(Trial).where(Trial.study_id == study.id, Trial.state == TrialState.COMPLETE)
-    ).all()
-    stored = get_optuna_storage(url).get_study_system_attrs(study.optuna_study_id).get(TRAINING_ATTR)
-    training = TrainingSpec.from_json(stored)
-    _training_out(out, study, training)
-    if complete and len(training.metrics) > 1:
-        # Optuna's own Pareto front (best_trials), read through its RDB storage.
-        loaded = optuna.load_study(study_name=study.name, storage=get_optuna_storage(url), sampler=optuna.samplers.RandomSampler())
-        out.best_trials = [
-            BestTrial(number=t.number, value=t.values[0], params=t.params, values=list(t.values)) for t in loaded.best_trials
-        ]
-    elif complete:
-        pick = max if study.direction == "maximize" else min
-        best = pick(complete, key=lambda t: t.value)
-        out.best_trial = BestTrial(number=best.number, value=best.value, params=best.params, values=[best.value])
-    return out
+    return _study_outs(session, url, [study])[0]
+
+
+def _study_outs(session: Session, url: str, studies: Sequence[Study]) -> list[StudyOut]:
+    """The studies as the API shows them: counts, best trial or Pareto front, Optuna's
+    directions and attrs in a few queries for all of them (``reads.study_outs``), then each
+    one's objectives and training settings."""
+    outs = reads.study_outs(session, studies)
+    for study, out in zip(studies, outs, strict=True):
+        _training_out(out, study, TrainingSpec.from_json(out.system_attrs.get(TRAINING_ATTR)))
+    return outs
 
 
 def _training_out(out: StudyOut, study: Study, training: TrainingSpec) -> None:
@@ -232,21 +231,73 @@ def _training_out(out: StudyOut, study: Study, training: TrainingSpec) -> None:
         out.metrics = [get_workload(study.workload).metric_name]
 
 
-def list_trials(session: Session, url: str, study_id: int, *, as_tenant: str | None = None) -> list[TrialOut]:
-    """Every trial of a study, with its per-epoch validation metric from Optuna's storage."""
+def list_trials(
+    session: Session,
+    url: str,
+    study_id: int,
+    *,
+    states: Sequence[TrialState] | None = None,
+    sort: str | None = None,
+    updated_since: int | None = None,
+    page: PageParams = PageParams(),
+    max_points: int | None = None,
+    as_tenant: str | None = None,
+) -> Page[TrialOut]:
+    """A page of a study's trials with their per-epoch validation metric, from fusetune's and
+    Optuna's tables (``reads.trials_page``).
+
+    ``updated_since``: only the trials changed after that revision, in revision order (the
+    default sort then, and the only one: Invalid naming ``sort`` otherwise). A poller passes
+    the highest ``revision`` it has read.
+    """
     study = _study(session, study_id, as_tenant)
-    frozen = {
-        t._trial_id: t
-        for t in get_optuna_storage(url).get_all_trials(study.optuna_study_id, deepcopy=False)
-    }
-    trials = session.scalars(select(Trial).where(Trial.study_id == study_id).order_by(Trial.number))
-    return [_trial_out(t, frozen.get(t.optuna_trial_id)) for t in trials]
+    if sort is None:
+        sort = "revision" if updated_since is not None else "number"
+    if updated_since is not None and sort != "revision":
+        raise Invalid(
+            "sort", f"updated_since pages the changes in revision order: sort={sort!r} cannot go with it", where="query"
+        )
+    return reads.trials_page(
+        session, study, states=states, sort=sort, updated_since=updated_since, page=page, max_points=max_points
+    )
 
 
-def get_trial(session: Session, url: str, trial_id: int, *, as_tenant: str | None = None) -> TrialOut:
-    """One trial, with what Optuna's storage holds of it."""
+def get_trial(
+    session: Session, url: str, trial_id: int, *, max_points: int | None = None, as_tenant: str | None = None
+) -> TrialOut:
+    """One trial, with what Optuna's tables hold of it (``max_points``: its learning curve downsampled)."""
+    return reads.trial_outs(session, [_trial(session, trial_id, as_tenant)], max_points=max_points)[0]
+
+
+def trial_state_dict(
+    session: Session, trial_id: int, artifact_roots: Sequence[Path], *, as_tenant: str | None = None
+) -> Path:
+    """The file of the plain state_dict a COMPLETE trial was saved with: the trial's Optuna
+    user attr ``state_dict``, which its worker wrote.
+
+    Only a file under ``<artifact root>/<study name>/`` is served, since the service saves
+    there: a user attr can also come from a client (``enqueue_trial``'s user_attrs), and must
+    not make the service hand out any other file. NotFound when there is none.
+    """
     trial = _trial(session, trial_id, as_tenant)
-    return _trial_out(trial, get_optuna_storage(url).get_trial(trial.optuna_trial_id))
+    from optuna.storages._rdb.models import TrialUserAttributeModel as model
+
+    missing = NotFound(f"trial {trial_id} has no saved state_dict")
+    stored = session.scalar(
+        select(model.value_json).where(model.trial_id == trial.optuna_trial_id, model.key == "state_dict")
+    )
+    location = json.loads(stored) if stored is not None else None
+    if not isinstance(location, str) or not location:
+        raise missing
+    if location.startswith("file://"):
+        location = location[len("file://"):]
+    elif "://" in location:
+        raise NotFound(f"trial {trial_id}'s state_dict is in a remote artifact store: {location}")
+    path = Path(location).resolve()
+    folders = [(Path(root).resolve() / trial.study.name) for root in artifact_roots]
+    if not any(path.is_relative_to(folder) for folder in folders) or not path.is_file():
+        raise missing
+    return path
 
 
 def set_study_user_attr(
@@ -315,11 +366,27 @@ def _trial_out(trial: Trial, frozen: optuna.trial.FrozenTrial | None) -> TrialOu
     return out
 
 
-def list_arrays(session: Session, study_id: int | None = None, *, as_tenant: str | None = None) -> list[ArrayOut]:
-    query = select(Array).order_by(Array.id)
+def list_arrays(
+    session: Session,
+    study_id: int | None = None,
+    *,
+    states: Sequence[ArrayState] | None = None,
+    tenant: str | None = None,
+    sort: str = "id",
+    page: PageParams = PageParams(),
+    as_tenant: str | None = None,
+) -> Page[ArrayOut]:
+    """A page of arrays, optionally of one study, one tenant or in ``states``; a tenant sees only its own."""
+    query = select(Array)
+    if as_tenant is not None or tenant is not None:
+        query = query.join(Study, Array.study_id == Study.id)
     if as_tenant is not None:
-        query = query.join(Study, Array.study_id == Study.id).where(Study.tenant == as_tenant)
+        query = query.where(Study.tenant == as_tenant)
+    if tenant is not None:
+        query = query.where(Study.tenant == tenant)
     if study_id is not None:
         _study(session, study_id, as_tenant)
         query = query.where(Array.study_id == study_id)
-    return [ArrayOut.model_validate(a) for a in session.scalars(query)]
+    if states:
+        query = query.where(Array.state.in_(list(states)))
+    return reads.arrays_page(session, query, sort, page)

@@ -15,15 +15,19 @@ from sqlalchemy.orm import Session
 from fusetune.server.auth import hash_token, new_token
 from fusetune.server.db import Study, StudyState, Tenant, Token, utcnow
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreated, TokenOut
+from fusetune.server.pagination import Page, PageParams, decode_cursor, encode_cursor
+from fusetune.server.reads import id_page, keyset_page
 from fusetune.server.service import Conflict, NotFound
 
 
-def list_tenants(session: Session, *, as_tenant: str | None = None) -> list[TenantOut]:
-    """Every tenant for the admin; a tenant sees itself only."""
-    query = select(Tenant).order_by(Tenant.name)
+def list_tenants(session: Session, *, page: PageParams = PageParams(), as_tenant: str | None = None) -> Page[TenantOut]:
+    """A page of tenants by name: every tenant for the admin; a tenant sees itself only."""
+    query = select(Tenant)
     if as_tenant is not None:
         query = query.where(Tenant.name == as_tenant)
-    return [TenantOut.model_validate(t) for t in session.scalars(query)]
+    after = decode_cursor(page.after, "name", (str,)) if page.after else None
+    rows, more = keyset_page(session, query, (Tenant.name,), False, after, page.limit)
+    return Page([TenantOut.model_validate(t) for t in rows], encode_cursor("name", [rows[-1].name]) if more else None)
 
 
 def create_tenant(session: Session, request: TenantCreate) -> TenantCreated:
@@ -84,11 +88,13 @@ def create_token(session: Session, tenant: str, label: str | None = None, *, as_
     return _issue(session, tenant, label)
 
 
-def list_tokens(session: Session, tenant: str, *, as_tenant: str | None = None) -> list[TokenOut]:
-    """A tenant's tokens, revoked ones too (never the tokens themselves: only their hashes are kept)."""
+def list_tokens(
+    session: Session, tenant: str, *, page: PageParams = PageParams(), as_tenant: str | None = None
+) -> Page[TokenOut]:
+    """A page of a tenant's tokens by id, revoked ones too (never the tokens themselves: only their hashes are kept)."""
     _tenant(session, tenant, as_tenant)
-    tokens = session.scalars(select(Token).where(Token.tenant == tenant).order_by(Token.id))
-    return [TokenOut.model_validate(t) for t in tokens]
+    found = id_page(session, select(Token).where(Token.tenant == tenant), Token.id, "id", page)
+    return Page([TokenOut.model_validate(t) for t in found.items], found.next)
 
 
 def revoke_token(session: Session, token_id: int, *, as_tenant: str | None = None) -> TokenOut:

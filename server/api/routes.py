@@ -6,7 +6,10 @@ routes on tenant resources pass the caller's tenant to the service as ``as_tenan
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Path, Query, Request, status
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
+from fastapi.responses import FileResponse
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -26,6 +29,10 @@ from fusetune.server.schemas import (
     TrialOut,
 )
 from fusetune.server.settings import Settings
+from fusetune.server.curves import MIN_POINTS
+from fusetune.server.db import ArrayState, StudyState, TrialState
+from fusetune.server.pagination import LINK_HEADER, PageParams, page_params, paged
+from fusetune.server.reads import ID_SORTS, TRIAL_SORTS
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 health_router = APIRouter()
@@ -50,15 +57,33 @@ def create_study(
     return study
 
 
-@router.get("/studies", response_model=list[StudyOut], tags=["studies"])
+#: How list routes answer: their rows, and the next page's Link header.
+PAGED = {200: {"headers": LINK_HEADER}}
+IdSort = Literal[ID_SORTS]  # type: ignore[valid-type]
+TrialSort = Literal[TRIAL_SORTS]  # type: ignore[valid-type]
+MaxPoints = Query(
+    None, ge=MIN_POINTS, le=100_000,
+    description="Downsample each learning curve (intermediate values) to at most this many points for plots: "
+    "the first and last epochs, and the lowest and highest value of each of (max_points - 2) / 2 buckets between.",
+)
+
+
+@router.get("/studies", response_model=list[StudyOut], tags=["studies"], responses=PAGED)
 def list_studies(
+    request: Request,
+    response: Response,
     tenant: str | None = Query(None, description="Only this tenant's (a tenant's token sees only its own anyway)."),
     name: str | None = Query(None, min_length=1, max_length=255, description="Only the study of this name."),
+    state: list[StudyState] | None = Query(None, description="Only studies in these states (repeat the parameter)."),
+    sort: IdSort = Query("id", description="By id, oldest first (`id`) or newest first (`-id`)."),
+    page: PageParams = Depends(page_params),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
 ) -> list[StudyOut]:
-    return service.list_studies(session, url, tenant, name, as_tenant=principal.tenant)
+    """A page of studies, with their trial counts and best trial (computed in SQL for the page)."""
+    found = service.list_studies(session, url, tenant, name, states=state, sort=sort, page=page, as_tenant=principal.tenant)
+    return paged(found, request, response)
 
 
 @router.get("/studies/{study_id}", response_model=StudyOut, tags=["studies"])
@@ -71,26 +96,73 @@ def get_study(
     return service.get_study(session, url, study_id, as_tenant=principal.tenant)
 
 
-@router.get("/studies/{study_id}/trials", response_model=list[TrialOut], tags=["trials"])
+@router.get("/studies/{study_id}/trials", response_model=list[TrialOut], tags=["trials"], responses=PAGED)
 def list_trials(
     study_id: StudyId,
+    request: Request,
+    response: Response,
+    state: list[TrialState] | None = Query(None, description="Only trials in these states (repeat the parameter)."),
+    sort: TrialSort | None = Query(
+        None,
+        description="`number` (the default), `-number`, `value`, `-value` (trials without a value last) or "
+        "`revision` (the order of their last changes; the default and only order with updated_since).",
+    ),
+    updated_since: int | None = Query(
+        None, ge=0, le=2**63 - 1,
+        description="Only the trials changed after this revision: pass the highest `revision` of the trials read "
+        "so far, and a poll downloads only what changed since (0: every trial).",
+    ),
+    max_points: int | None = MaxPoints,
+    page: PageParams = Depends(page_params),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
 ) -> list[TrialOut]:
-    """Every trial: params, state, per-epoch validation metric, final value and its array."""
-    return service.list_trials(session, url, study_id, as_tenant=principal.tenant)
+    """A page of the study's trials: params, state, per-epoch validation metric, final value, array, revision."""
+    found = service.list_trials(
+        session, url, study_id, states=state, sort=sort, updated_since=updated_since, page=page, max_points=max_points,
+        as_tenant=principal.tenant,
+    )
+    return paged(found, request, response)
 
 
 @router.get("/trials/{trial_id}", response_model=TrialOut, tags=["trials"])
 def get_trial(
     trial_id: TrialId,
+    max_points: int | None = MaxPoints,
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
 ) -> TrialOut:
     """One trial: params and their distributions, state, values, intermediate values, attrs."""
-    return service.get_trial(session, url, trial_id, as_tenant=principal.tenant)
+    return service.get_trial(session, url, trial_id, max_points=max_points, as_tenant=principal.tenant)
+
+
+@router.get(
+    "/trials/{trial_id}/state_dict",
+    response_class=FileResponse,
+    tags=["trials"],
+    responses={
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "The trained weights: torch.save of the workload model's plain state_dict "
+            "(`model.load_state_dict(torch.load(f), strict=True)`).",
+        }
+    },
+)
+def download_state_dict(
+    trial_id: TrialId,
+    principal: Principal = Depends(authenticate),
+    settings: Settings = Depends(get_app_settings),
+    session: Session = Depends(get_session),
+) -> FileResponse:
+    """The state_dict a COMPLETE trial was saved with (404 when it has none)."""
+    roots = [settings.artifact_dir]
+    store = getattr(settings, "artifact_store", None)
+    if isinstance(store, str) and store.startswith("file://"):
+        roots.append(store[len("file://"):])
+    path = service.trial_state_dict(session, trial_id, roots, as_tenant=principal.tenant)
+    return FileResponse(path, media_type="application/octet-stream", filename=path.name)
 
 
 @router.post(
@@ -137,14 +209,23 @@ def set_study_user_attr(
     return service.set_study_user_attr(session, url, study_id, key, body.value, as_tenant=principal.tenant)
 
 
-@router.get("/arrays", response_model=list[ArrayOut], tags=["arrays"])
+@router.get("/arrays", response_model=list[ArrayOut], tags=["arrays"], responses=PAGED)
 def list_arrays(
+    request: Request,
+    response: Response,
     study_id: int | None = Query(None, ge=1, le=MAX_ID),
+    state: list[ArrayState] | None = Query(None, description="Only arrays in these states (repeat the parameter)."),
+    tenant: str | None = Query(None, description="Only this tenant's (a tenant's token sees only its own anyway)."),
+    sort: IdSort = Query("id", description="By id, oldest first (`id`) or newest first (`-id`)."),
+    page: PageParams = Depends(page_params),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
 ) -> list[ArrayOut]:
-    """Fused arrays, optionally of one study: members, worker, progress and measured throughput."""
-    return service.list_arrays(session, study_id, as_tenant=principal.tenant)
+    """A page of fused arrays, optionally of one study: members, worker, progress and measured throughput."""
+    found = service.list_arrays(
+        session, study_id, states=state, tenant=tenant, sort=sort, page=page, as_tenant=principal.tenant
+    )
+    return paged(found, request, response)
 
 
 @health_router.get("/healthz", response_model=Health, tags=["health"], responses=UNAVAILABLE)

@@ -6,13 +6,14 @@ token). A tenant's tokens are its own and the admin's: another tenant's answer 4
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Path, status
+from fastapi import APIRouter, Depends, Path, Request, Response, status
 from sqlalchemy.orm import Session
 
 from fusetune.server import tenants
 from fusetune.server.api.deps import authenticate, get_session, require_admin
 from fusetune.server.api.errors import CONFLICT, TokenId
 from fusetune.server.auth import Principal
+from fusetune.server.pagination import LINK_HEADER, PageParams, page_params, paged
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreate, TokenCreated, TokenOut
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -20,10 +21,16 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 TenantName = Path(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # as TenantCreate.name
 
 
-@router.get("/tenants", response_model=list[TenantOut], tags=["tenants"])
-def list_tenants(principal: Principal = Depends(authenticate), session: Session = Depends(get_session)) -> list[TenantOut]:
-    """Every tenant for the admin; a tenant's token lists its own tenant only."""
-    return tenants.list_tenants(session, as_tenant=principal.tenant)
+@router.get("/tenants", response_model=list[TenantOut], tags=["tenants"], responses={200: {"headers": LINK_HEADER}})
+def list_tenants(
+    request: Request,
+    response: Response,
+    page: PageParams = Depends(page_params),
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+) -> list[TenantOut]:
+    """A page of tenants by name: every tenant for the admin; a tenant's token lists its own tenant only."""
+    return paged(tenants.list_tenants(session, page=page, as_tenant=principal.tenant), request, response)
 
 
 @router.post(
@@ -43,12 +50,19 @@ def update_tenant(body: TenantUpdate, name: str = TenantName, session: Session =
     return tenants.update_tenant(session, name, body)
 
 
-@router.get("/tenants/{name}/tokens", response_model=list[TokenOut], tags=["tenants"])
+@router.get(
+    "/tenants/{name}/tokens", response_model=list[TokenOut], tags=["tenants"], responses={200: {"headers": LINK_HEADER}}
+)
 def list_tokens(
-    name: str = TenantName, principal: Principal = Depends(authenticate), session: Session = Depends(get_session)
+    request: Request,
+    response: Response,
+    name: str = TenantName,
+    page: PageParams = Depends(page_params),
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
 ) -> list[TokenOut]:
-    """A tenant's tokens (their ids, labels and dates; never the tokens)."""
-    return tenants.list_tokens(session, name, as_tenant=principal.tenant)
+    """A page of a tenant's tokens (their ids, labels and dates; never the tokens)."""
+    return paged(tenants.list_tokens(session, name, page=page, as_tenant=principal.tenant), request, response)
 
 
 @router.post("/tenants/{name}/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenCreated, tags=["tenants"])

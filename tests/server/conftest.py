@@ -58,9 +58,10 @@ def live_api(database_url: str, **settings: object) -> Iterator[LiveApi]:
 
 
 @pytest.fixture
-def live(database_url: str) -> Iterator[LiveApi]:
-    """The API alone (no Ray, no scheduling loop) on an empty database, with an admin token."""
-    yield from live_api(database_url)
+def live(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApi]:
+    """The API alone (no Ray, no scheduling loop) on an empty database, with an admin token
+    and an artifact directory of its own."""
+    yield from live_api(database_url, artifact_dir=tmp_path_factory.mktemp("artifacts"))
 
 
 @pytest.fixture

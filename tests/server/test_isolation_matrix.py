@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,16 @@ def trials_seen(world: World, actor: str, response: httpx.Response) -> None:
         assert [t["id"] for t in response.json()] == [world.trial_id]
 
 
+def saved_weights(world: World) -> Path:
+    """Where the world's trial's weights are, as a worker saves them: <artifact dir>/<study>/trial-<n>.pt."""
+    return Path(world.live.app.state.settings.artifact_dir) / "owned" / "trial-0.pt"
+
+
+def state_dict_served(world: World, actor: str, response: httpx.Response) -> None:
+    if response.status_code == 200:
+        assert response.content == saved_weights(world).read_bytes()
+
+
 def events_seen(world: World, actor: str, response: httpx.Response) -> None:
     """The owner's event (the world writes one) reaches the owner and the admin, never the other tenant."""
     if response.status_code != 200:
@@ -183,6 +194,10 @@ RULES: dict[tuple[str, str], Rule] = {
     ),
     ("GET", "/api/v1/trials/{trial_id}"): Rule(
         path("/api/v1/trials/{trial_id}"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}
+    ),
+    ("GET", "/api/v1/trials/{trial_id}/state_dict"): Rule(
+        path("/api/v1/trials/{trial_id}/state_dict"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED},
+        state_dict_served,
     ),
     ("PUT", "/api/v1/studies/{study_id}/user_attrs/{key}"): Rule(
         user_attr, {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}
@@ -273,6 +288,10 @@ def world(live: LiveApi, database_url: str) -> World:
         storage = get_optuna_storage(database_url)
         optuna_trial_id = storage.create_new_trial(optuna_study.optuna_study_id)
         storage.set_trial_param(optuna_trial_id, "lr", 0.1, optuna.distributions.FloatDistribution(0.01, 1.0))
+        weights = Path(live.app.state.settings.artifact_dir) / "owned" / "trial-0.pt"
+        weights.parent.mkdir(parents=True)
+        weights.write_bytes(b"the weights a worker saved")  # served as they are
+        storage.set_trial_user_attr(optuna_trial_id, "state_dict", str(weights.resolve()))
         trial = Trial(study_id=study_id, optuna_trial_id=optuna_trial_id, number=0, params={"lr": 0.1}, signature="s" * 64)
         session.add(trial)
         session.flush()
@@ -331,6 +350,7 @@ def test_another_tenants_ids_read_as_missing_ones(world: World) -> None:
         ("/api/v1/studies/{}", world.study_id),
         ("/api/v1/studies/{}/trials", world.study_id),
         ("/api/v1/trials/{}", world.trial_id),
+        ("/api/v1/trials/{}/state_dict", world.trial_id),
     ]:
         foreign = other.get(template.format(real))
         absent = other.get(template.format(missing))

@@ -1,0 +1,360 @@
+"""Reads that scale to studies of 100,000 trials: pages by keyset, rows built in batches.
+
+The service layer (``server/service.py``) scopes a request to the caller's tenant and calls
+these. A page costs a constant number of queries whatever its length and wherever it is in
+the listing: one for its rows (an index range scan, ``ix_ft_trials_*``), then one per table
+of Optuna's it needs (values, intermediate values, params, attrs) for all its rows at once;
+a page of studies computes every study's trial counts and best trial in SQL for the whole
+page. Nothing here reads a study's trials through Optuna's ``RDBStorage.get_all_trials``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import Any, TypeVar
+
+import numpy as np
+import optuna
+from optuna.storages._rdb import models as rdb
+from optuna.study import StudyDirection
+from sqlalchemy import ColumnElement, Select, case, func, select, tuple_
+from sqlalchemy.orm import Session, aliased, joinedload, selectinload
+
+from fusetune.server.curves import downsample
+from fusetune.server.db import Array, Study, Trial, TrialState
+from fusetune.server.pagination import Page, PageParams, decode_cursor, encode_cursor, invalid_cursor
+from fusetune.server.schemas import ArrayOut, BestTrial, StudyOut, TrialOut
+
+__all__ = ["ID_SORTS", "TRIAL_SORTS", "arrays_page", "keyset_page", "study_outs", "trial_outs", "trials_page"]
+
+#: How a study's trials can be sorted; ``-`` is descending. Ties go by id. Trials without a
+#: value come last in both value orders.
+TRIAL_SORTS = ("number", "-number", "value", "-value", "revision")
+#: How studies and arrays can be sorted.
+ID_SORTS = ("id", "-id")
+
+_R = TypeVar("_R")
+_NONE = type(None)
+
+
+# -- keyset pages ------------------------------------------------------------------------------
+def keyset_page(
+    session: Session,
+    query: Select[tuple[_R]],
+    columns: Sequence[Any],
+    descending: bool,
+    after: Sequence[Any] | None,
+    limit: int,
+) -> tuple[list[_R], bool]:
+    """Up to ``limit`` rows of ``query`` ordered by ``columns`` (a unique key), after the row
+    whose key is ``after``; and whether more follow."""
+    if after is not None:
+        if len(columns) == 1:
+            query = query.where(columns[0] < after[0] if descending else columns[0] > after[0])
+        else:
+            key, seek = tuple_(*columns), tuple_(*after)
+            query = query.where(key < seek if descending else key > seek)
+    order = [c.desc() if descending else c.asc() for c in columns]
+    rows = list(session.scalars(query.order_by(*order).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def id_page(session: Session, query: Select[tuple[_R]], column: Any, sort: str, page: PageParams) -> Page[_R]:
+    """A page of ``query`` by its integer id ``column``, ``sort`` one of :data:`ID_SORTS`."""
+    after = decode_cursor(page.after, sort, (int,)) if page.after else None
+    rows, more = keyset_page(session, query, (column,), sort.startswith("-"), after, page.limit)
+    return Page(rows, encode_cursor(sort, [_attr(rows[-1], column)]) if more else None)
+
+
+def _attr(row: Any, column: Any) -> Any:
+    return getattr(row, column.key)
+
+
+# -- trials ------------------------------------------------------------------------------------
+def trials_page(
+    session: Session,
+    study: Study,
+    *,
+    states: Sequence[TrialState] | None = None,
+    sort: str = "number",
+    updated_since: int | None = None,
+    page: PageParams = PageParams(),
+    max_points: int | None = None,
+) -> Page[TrialOut]:
+    """A page of the study's trials, in ``sort`` order, optionally only of ``states`` and only
+    those changed after revision ``updated_since`` (then ``sort`` is ``revision``)."""
+    query = select(Trial).where(Trial.study_id == study.id)
+    if states:
+        query = query.where(Trial.state.in_(list(states)))
+    if updated_since is not None:
+        query = query.where(Trial.revision > updated_since)
+    if sort in ("value", "-value"):
+        rows, next_cursor = _value_page(session, query, sort, page)
+    else:
+        columns = (Trial.revision, Trial.id) if sort == "revision" else (Trial.number, Trial.id)
+        after = decode_cursor(page.after, sort, (int, int)) if page.after else None
+        rows, more = keyset_page(session, query, columns, sort.startswith("-"), after, page.limit)
+        next_cursor = encode_cursor(sort, [_attr(rows[-1], c) for c in columns]) if more else None
+    return Page(trial_outs(session, rows, max_points=max_points), next_cursor)
+
+
+def _value_page(session: Session, query: Select[tuple[Trial]], sort: str, page: PageParams) -> tuple[list[Trial], str | None]:
+    """Trials with a value by value (ties by id), then those without one by id.
+
+    The cursor says which of the two runs the last row was in: ``[in_nulls, value, id]``.
+    """
+    descending = sort == "-value"
+    key = decode_cursor(page.after, sort, (bool, (int, float, _NONE), int)) if page.after else None
+    if key is not None and not key[0] and key[1] is None:
+        invalid_cursor()  # a cursor of the valued run names its value
+    rows: list[Trial] = []
+    if key is None or not key[0]:
+        after = None if key is None else (float(key[1]), key[2])
+        rows, more = keyset_page(
+            session, query.where(Trial.value.is_not(None)), (Trial.value, Trial.id), descending, after, page.limit
+        )
+        if more:
+            return rows, encode_cursor(sort, [False, rows[-1].value, rows[-1].id])
+    null_after = key[2] if key is not None and key[0] else None
+    nulls, more = keyset_page(
+        session, query.where(Trial.value.is_(None)), (Trial.id,), False,
+        None if null_after is None else (null_after,), page.limit - len(rows),
+    )
+    rows += nulls
+    if not more:
+        return rows, None
+    return rows, encode_cursor(sort, [True, None, nulls[-1].id if nulls else (null_after or 0)])
+
+
+@lru_cache(maxsize=4096)
+def _distribution_json(stored: str) -> Any:
+    """A stored distribution as the API shows it: Optuna's current JSON of it (old forms, like
+    UniformDistribution, come back as what Optuna reads them as)."""
+    return json.loads(optuna.distributions.distribution_to_json(optuna.distributions.json_to_distribution(stored)))
+
+
+def trial_outs(session: Session, trials: Sequence[Trial], *, max_points: int | None = None) -> list[TrialOut]:
+    """The trials as the API shows them, with what Optuna's tables hold of them: one query per
+    Optuna table for all of them. ``max_points``: downsample each learning curve to that many."""
+    ids = [t.optuna_trial_id for t in trials]
+    values: dict[int, dict[int, float]] = defaultdict(dict)
+    curves: dict[int, dict[int, float]] = defaultdict(dict)
+    distributions: dict[int, dict[str, Any]] = defaultdict(dict)
+    user_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
+    system_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
+    if ids:
+        tv, iv, tp = rdb.TrialValueModel, rdb.TrialIntermediateValueModel, rdb.TrialParamModel
+        for trial_id, objective, value, kind in session.execute(
+            select(tv.trial_id, tv.objective, tv.value, tv.value_type).where(tv.trial_id.in_(ids))
+        ):
+            values[trial_id][objective] = tv.stored_repr_to_value(value, kind)
+        for trial_id, step, value, kind in session.execute(
+            select(iv.trial_id, iv.step, iv.intermediate_value, iv.intermediate_value_type).where(iv.trial_id.in_(ids))
+        ):
+            curves[trial_id][step] = iv.stored_repr_to_intermediate_value(value, kind)
+        for trial_id, name, stored in session.execute(
+            select(tp.trial_id, tp.param_name, tp.distribution_json).where(tp.trial_id.in_(ids)).order_by(tp.param_id)
+        ):
+            distributions[trial_id][name] = _distribution_json(stored)
+        for model, into in ((rdb.TrialUserAttributeModel, user_attrs), (rdb.TrialSystemAttributeModel, system_attrs)):
+            for trial_id, key, value_json in session.execute(
+                select(model.trial_id, model.key, model.value_json).where(model.trial_id.in_(ids))
+            ):
+                into[trial_id][key] = json.loads(value_json)
+    out = []
+    for trial in trials:
+        row = TrialOut.model_validate(trial)
+        oid = trial.optuna_trial_id
+        curve = curves.get(oid, {})
+        row.intermediate_values = downsample(curve, max_points) if max_points else dict(sorted(curve.items()))
+        row.values = [values[oid][k] for k in sorted(values[oid])] if oid in values else None
+        row.distributions = distributions.get(oid, {})
+        row.user_attrs = user_attrs.get(oid, {})
+        row.system_attrs = system_attrs.get(oid, {})
+        out.append(row)
+    return out
+
+
+# -- studies -----------------------------------------------------------------------------------
+def study_outs(session: Session, studies: Sequence[Study]) -> list[StudyOut]:
+    """The studies as the API shows them, with their trial counts and best trial (single
+    objective) or Pareto front (several), Optuna's directions and attrs: a constant number of
+    queries for the whole page, none per study."""
+    if not studies:
+        return []
+    ids = [s.id for s in studies]
+    optuna_ids = [s.optuna_study_id for s in studies]
+
+    counts: dict[int, dict[str, int]] = defaultdict(dict)
+    for study_id, state, n in session.execute(
+        select(Trial.study_id, Trial.state, func.count()).where(Trial.study_id.in_(ids)).group_by(Trial.study_id, Trial.state)
+    ):
+        counts[study_id][TrialState(state).value] = n
+
+    sd = rdb.StudyDirectionModel
+    directions: dict[int, dict[int, StudyDirection]] = defaultdict(dict)
+    for study_id, objective, direction in session.execute(
+        select(sd.study_id, sd.objective, sd.direction).where(sd.study_id.in_(optuna_ids))
+    ):
+        directions[study_id][objective] = direction
+    user_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
+    system_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
+    for model, into in ((rdb.StudyUserAttributeModel, user_attrs), (rdb.StudySystemAttributeModel, system_attrs)):
+        for study_id, key, value_json in session.execute(
+            select(model.study_id, model.key, model.value_json).where(model.study_id.in_(optuna_ids))
+        ):
+            into[study_id][key] = json.loads(value_json)
+
+    outs = []
+    single, multi = [], []
+    for study in studies:
+        out = StudyOut.model_validate(study)
+        oid = study.optuna_study_id
+        out.directions = [directions[oid][k].name.lower() for k in sorted(directions[oid])]
+        out.user_attrs = user_attrs.get(oid, {})
+        out.system_attrs = system_attrs.get(oid, {})
+        out.trial_counts = {state.value: counts[study.id].get(state.value, 0) for state in TrialState}
+        if out.trial_counts[TrialState.COMPLETE.value]:
+            (multi if len(out.directions) > 1 else single).append(study)
+        outs.append(out)
+    by_id = {out.id: out for out in outs}
+    for study_id, best in _best_trials(session, single).items():
+        by_id[study_id].best_trial = best
+    for study_id, front in _pareto_fronts(session, multi, {s.id: directions[s.optuna_study_id] for s in multi}).items():
+        by_id[study_id].best_trials = front
+    return outs
+
+
+def _best_trials(session: Session, studies: Sequence[Study]) -> dict[int, BestTrial]:
+    """Each single-objective study's best COMPLETE trial (ties: the lowest number), in SQL:
+    one index seek per study (``ix_ft_trials_study_state_value``), all in one statement."""
+    if not studies:
+        return {}
+    t = aliased(Trial)
+
+    def best(descending: bool) -> ColumnElement[int]:
+        order = t.value.desc() if descending else t.value.asc()
+        return (
+            select(t.id)
+            .where(t.study_id == Study.id, t.state == TrialState.COMPLETE, t.value.is_not(None))
+            .order_by(order, t.number)
+            .limit(1)
+            .correlate(Study)
+            .scalar_subquery()
+        )
+
+    best_id = case((Study.direction == "maximize", best(True)), else_=best(False)).label("best_id")
+    picked = (
+        select(Study.id.label("study_id"), best_id).where(Study.id.in_([s.id for s in studies])).subquery()
+    )
+    rows = session.execute(
+        select(picked.c.study_id, Trial.number, Trial.value, Trial.params).join(Trial, Trial.id == picked.c.best_id)
+    )
+    return {
+        study_id: BestTrial(number=number, value=value, params=params, values=[value])
+        for study_id, number, value, params in rows
+    }
+
+
+class _FrontCache:
+    """Pareto fronts by study, valid while the study's newest trial revision is unchanged."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._lock = threading.Lock()
+        self._fronts: dict[int, tuple[int, list[BestTrial]]] = {}
+        self._size = size
+
+    def get(self, study_id: int, revision: int) -> list[BestTrial] | None:
+        with self._lock:
+            hit = self._fronts.get(study_id)
+        return [b.model_copy(deep=True) for b in hit[1]] if hit is not None and hit[0] == revision else None
+
+    def put(self, study_id: int, revision: int, front: list[BestTrial]) -> None:
+        with self._lock:
+            if len(self._fronts) >= self._size:
+                self._fronts.pop(next(iter(self._fronts)))
+            self._fronts[study_id] = (revision, [b.model_copy(deep=True) for b in front])
+
+
+_fronts = _FrontCache()
+
+
+def _pareto_fronts(
+    session: Session, studies: Sequence[Study], directions: Mapping[int, Mapping[int, StudyDirection]]
+) -> dict[int, list[BestTrial]]:
+    """Each multi-objective study's Pareto front of Optuna-COMPLETE trials, as Optuna's
+    ``best_trials`` (fusetune's studies set no constraints), by trial number.
+
+    Every value of the study's complete trials is read (one query for the page), so a front
+    is kept until a trial of its study changes again (its newest revision moves).
+    """
+    if not studies:
+        return {}
+    newest = dict(
+        session.execute(
+            select(Trial.study_id, func.max(Trial.revision)).where(Trial.study_id.in_([s.id for s in studies])).group_by(Trial.study_id)
+        ).all()
+    )
+    out: dict[int, list[BestTrial]] = {}
+    missing = []
+    for study in studies:
+        cached = _fronts.get(study.id, newest.get(study.id, 0))
+        if cached is None:
+            missing.append(study)
+        else:
+            out[study.id] = cached
+    if not missing:
+        return out
+    tv, ot = rdb.TrialValueModel, rdb.TrialModel
+    values: dict[int, dict[int, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))  # study -> optuna trial -> objective
+    numbers: dict[int, int] = {}
+    for study_id, trial_id, number, objective, value, kind in session.execute(
+        select(Trial.study_id, Trial.optuna_trial_id, Trial.number, tv.objective, tv.value, tv.value_type)
+        .join(ot, ot.trial_id == Trial.optuna_trial_id)
+        .join(tv, tv.trial_id == Trial.optuna_trial_id)
+        .where(Trial.study_id.in_([s.id for s in missing]), ot.state == optuna.trial.TrialState.COMPLETE)
+    ):
+        values[study_id][trial_id][objective] = tv.stored_repr_to_value(value, kind)
+        numbers[trial_id] = number
+    fronts: dict[int, list[int]] = {}
+    for study in missing:
+        signs = [1.0 if directions[study.id][k] == StudyDirection.MINIMIZE else -1.0 for k in sorted(directions[study.id])]
+        trial_ids = sorted(values[study.id], key=lambda i: numbers[i])
+        trial_ids = [i for i in trial_ids if len(values[study.id][i]) == len(signs)]
+        if not trial_ids:
+            fronts[study.id] = []
+            continue
+        loss = np.asarray([[sign * values[study.id][i][k] for k, sign in enumerate(signs)] for i in trial_ids])
+        on_front = optuna.study._multi_objective._is_pareto_front(loss, assume_unique_lexsorted=False)
+        fronts[study.id] = [i for i, keep in zip(trial_ids, on_front) if keep]
+    # Params as Optuna holds them (as Optuna's best_trials shows them).
+    tp = rdb.TrialParamModel
+    params: dict[int, dict[str, Any]] = defaultdict(dict)
+    front_ids = [i for ids in fronts.values() for i in ids]
+    for start in range(0, len(front_ids), 1000):
+        for trial_id, name, value, stored in session.execute(
+            select(tp.trial_id, tp.param_name, tp.param_value, tp.distribution_json)
+            .where(tp.trial_id.in_(front_ids[start : start + 1000]))
+            .order_by(tp.param_id)
+        ):
+            params[trial_id][name] = optuna.distributions.json_to_distribution(stored).to_external_repr(value)
+    for study in missing:
+        front = []
+        for i in fronts[study.id]:
+            objective = [values[study.id][i][k] for k in sorted(values[study.id][i])]
+            front.append(BestTrial(number=numbers[i], value=objective[0], params=params.get(i, {}), values=objective))
+        _fronts.put(study.id, newest.get(study.id, 0), front)
+        out[study.id] = front
+    return out
+
+
+# -- arrays ------------------------------------------------------------------------------------
+def arrays_page(session: Session, query: Select[tuple[Array]], sort: str, page: PageParams) -> Page[ArrayOut]:
+    """A page of arrays with their members and workers loaded for the whole page at once."""
+    query = query.options(selectinload(Array.members), joinedload(Array.worker))
+    found = id_page(session, query, Array.id, sort, page)
+    return Page([ArrayOut.model_validate(a) for a in found.items], found.next)
