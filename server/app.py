@@ -16,8 +16,19 @@ from fusetune.server.api.http import install as install_http
 from fusetune.server.coordinator import Coordinator
 from fusetune.server.dashboard import mount_dashboard
 from fusetune.server.db import get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.leader import Leadership
 from fusetune.server.settings import Settings, get_settings
 from fusetune.workers.pool import WorkerPool
+
+
+def make_pool(settings: Settings) -> WorkerPool:
+    """The worker pool as the settings configure it (CPU workers, Ray timeouts, heartbeats)."""
+    return WorkerPool(
+        cpu_workers=settings.cpu_workers,
+        timeout_s=settings.ray_timeout_s,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        heartbeat_timeout_s=settings.heartbeat_timeout_s,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +48,18 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
         upgrade(settings.database_url)
         get_optuna_storage(settings.database_url)  # creates Optuna's tables beside ours
         app.state.pool = app.state.coordinator = None
+        app.state.leadership = None
         if schedule:
-            if not ray.is_initialized():
-                ray.init(address=settings.ray_address, include_dashboard=False, log_to_driver=False)
-            app.state.pool = WorkerPool(cpu_workers=settings.cpu_workers)
-            app.state.coordinator = Coordinator(settings, app.state.pool)
-            app.state.coordinator.start()
+            # One scheduler per database (server/leader.py): this server schedules if it takes
+            # the database's scheduler lock, else it serves the API as a standby and takes
+            # over when the lock's holder dies.
+            app.state.leadership = Leadership(app, settings)
+            app.state.leadership.start()
         try:
             yield
         finally:
-            if app.state.coordinator is not None:
-                app.state.coordinator.stop()
-                app.state.pool.shutdown()
+            if app.state.leadership is not None:
+                app.state.leadership.stop()
 
     app = FastAPI(
         title="fusetune",

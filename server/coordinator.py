@@ -359,7 +359,7 @@ class Coordinator:
             # waits for it.
             self._dispatch(session)
             for study in studies:
-                self._ask(session, study)
+                self._ask_alone(session, study)
             if self.pool.idle():
                 self._dispatch(session)
             for study in studies:
@@ -395,8 +395,9 @@ class Coordinator:
             reply = self._record_epoch(worker, item)
             if reply is None:  # the client decides: the reply goes when it has
                 return bool(item.released or any(m.state for m in item.members))
-            if spec.prunes:
-                self.pool.reply(worker, reply)
+            # Every report is answered: the reply decides pruning (studies with a pruner wait for
+            # it) and acknowledges that the report, and the checkpoints it named, are recorded.
+            self.pool.reply(worker, reply)
             return bool(reply.prune or item.released or any(m.state for m in item.members))
         self._awaiting.pop(spec.array_id, None)
         self._record(worker, spec, item)
@@ -489,6 +490,20 @@ class Coordinator:
             session.rollback()
             self._mirrors.pop(study.id, None)  # what it asked was not written: reload from the database
             raise
+
+    def _ask_alone(self, session: Session, study: Study) -> None:
+        """:meth:`_ask`, so that a study whose sampler (or workload) raises fails alone, with its
+        error, while the others go on; the database being unreachable stops the round as ever."""
+        try:
+            self._ask(session, study)
+        except Exception as exc:
+            if database_unavailable(exc):
+                raise
+            reason = f"asking for trials failed: {type(exc).__name__}: {exc}"
+            log.warning("study %d: %s", study.id, reason, exc_info=True)
+            fail = getattr(self, "_fail", None)  # server/lifecycle.py: the study ends FAILED with the reason
+            if fail is not None:
+                fail(session, study, reason)
 
     def enqueue(self, study_id: int, params: Mapping[str, Any], user_attrs: Mapping[str, Any]) -> Trial:
         """Optuna's ``enqueue_trial``, asked at once: the study's next trial has these params.
@@ -693,7 +708,7 @@ class Coordinator:
         )
         session.commit()
         self._live[array_id].optuna_ids.update({t.id: t.optuna_trial_id for t in trials})
-        self.pool.offer(worker, [MemberSpec(t.id, t.optuna_trial_id, t.number, dict(t.params)) for t in trials])
+        self.pool.offer(worker, [_member_spec(t) for t in trials])
         log.info("array %d: %d trials join at the next epoch boundary", array_id, len(trials))
 
     def _start_array(self, session: Session, study: Study, worker: WorkerHandle, trials: list[Trial]) -> None:
@@ -717,7 +732,7 @@ class Coordinator:
             study_name=study.name,
             workload=study.workload,
             epochs=study.epochs,
-            members=tuple(MemberSpec(t.id, t.optuna_trial_id, t.number, dict(t.params)) for t in trials),
+            members=tuple(_member_spec(t) for t in trials),
             seed=array.id,
             artifact_dir=artifact_uri(self.settings),
             checkpoint_frequency=self.settings.checkpoint_frequency,
@@ -924,7 +939,11 @@ class Coordinator:
             return cap
         trial, study = waiting[trial_id]
         if trial.signature not in self._memory_models:
-            self._memory_models[trial.signature] = array_memory_model(get_workload(study.workload), trial.params)
+            try:
+                self._memory_models[trial.signature] = array_memory_model(get_workload(study.workload), trial.params)
+            except Exception as exc:  # the workload cannot build its array here: its arrays fail on their own
+                log.warning("study %d: no memory model for its arrays: %s", study.id, exc)
+                self._memory_models[trial.signature] = (0, 0)
         base, member = self._memory_models[trial.signature]
         return max(1, min(cap, (budget - base) // max(member, 1)))
 
@@ -1032,6 +1051,11 @@ class Coordinator:
             events.record(session, "study.completed", tenant=study.tenant, study_id=study.id, trial_counts={s.value: n for s, n in counts.items()})
             session.commit()
             self._mirrors.pop(study.id, None)
+
+
+def _member_spec(trial: Trial) -> MemberSpec:
+    """A trial as a worker trains it: from the checkpoint its workers last reported, or from scratch."""
+    return MemberSpec(trial.id, trial.optuna_trial_id, trial.number, dict(trial.params), resume_epoch=trial.checkpoint_epoch or 0)
 
 
 def _add_timings(total: Mapping[str, float] | None, more: Mapping[str, float]) -> dict[str, float]:

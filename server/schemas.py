@@ -433,6 +433,7 @@ class ArrayOut(BaseModel):
     trial_ids: list[int] = Field(description="Members, by slot.")
     worker: str | None = Field(validation_alias="worker_name")
     device_type: str | None
+    node: str | None = Field(None, description="The Ray node (its id) the array trained on.")
     epochs_done: int
     models_steps_per_s: float | None
     timings: dict[str, float] | None = Field(

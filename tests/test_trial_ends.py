@@ -190,7 +190,7 @@ def test_a_worker_killed_mid_array_resumes_its_trials_from_their_checkpoints(
     while not any(len(t["intermediate_values"]) >= 3 for t in client.trials(study["id"])):
         assert time.monotonic() < deadline, "no trial reached its third epoch"
         time.sleep(0.05)
-    assert list((artifacts / "resume" / "checkpoints").glob("trial-*.pt")), "no checkpoint at the epoch boundary"
+    assert list((artifacts / "resume" / "checkpoints").glob("trial-*/*.pt")), "no checkpoint at the epoch boundary"
     kill_worker(url)
 
     done = client.wait(study["id"], timeout=180)
@@ -215,4 +215,4 @@ def test_a_worker_killed_mid_array_resumes_its_trials_from_their_checkpoints(
         optuna.trial.TrialState.COMPLETE
     }
     # Finished members leave no checkpoint behind.
-    assert not list((artifacts / "resume" / "checkpoints").glob("trial-*.pt"))
+    assert not list((artifacts / "resume" / "checkpoints").glob("trial-*/*.pt"))

@@ -123,7 +123,9 @@ class ArrayWorker:
                 yield report
                 if not spec.prunes:
                     # Nothing to decide: a round trip through a busy machine's processes
-                    # costs tens of milliseconds, so a study without a pruner never waits.
+                    # costs tens of milliseconds, so a study without a pruner never waits;
+                    # the replies that arrived meanwhile acknowledge recorded reports.
+                    reply = EpochReply(acked=_drain(replies))
                     continue
                 try:
                     reply = replies.get(timeout=REPLY_TIMEOUT_S)
@@ -139,3 +141,13 @@ class ArrayWorker:
             self._releases.pop(spec.array_id, None)
             self._replies.pop(spec.array_id, None)
         yield outcome
+
+
+def _drain(replies: queue.SimpleQueue[EpochReply]) -> int:
+    """How many replies wait in ``replies`` (taking them)."""
+    count = 0
+    while True:
+        try:
+            count += replies.get_nowait().acked
+        except queue.Empty:
+            return count

@@ -28,23 +28,31 @@ from fusetune.workers.store import ArtifactStore, get_store
 
 __all__ = [
     "CheckpointWriter",
+    "checkpoint_dir",
     "checkpoint_key",
     "checkpoint_path",
     "load_checkpoint",
-    "remove_checkpoint",
+    "remove_checkpoints",
     "save_checkpoint",
+    "saved_epochs",
 ]
 
 
-def checkpoint_key(study_name: str, trial_number: int) -> str:
-    """The store key of trial ``trial_number``'s checkpoint in ``study_name``."""
-    return f"{study_name}/checkpoints/trial-{trial_number}.pt"
+def checkpoint_dir(study_name: str, trial_number: int) -> str:
+    """The store folder of trial ``trial_number``'s checkpoints in ``study_name``: one per epoch kept."""
+    return f"{study_name}/checkpoints/trial-{trial_number}"
 
 
-def checkpoint_path(store: str, study_name: str, trial_number: int) -> str:
-    """Where trial ``trial_number`` of ``study_name`` keeps its checkpoint in the store ``store``
-    (a local path for a local store, a URI otherwise)."""
-    return get_store(store).location(checkpoint_key(study_name, trial_number))
+def checkpoint_key(study_name: str, trial_number: int, epochs_done: int) -> str:
+    """The store key of the trial's checkpoint after ``epochs_done`` epochs."""
+    return f"{checkpoint_dir(study_name, trial_number)}/{epochs_done}.pt"
+
+
+def checkpoint_path(store: str, study_name: str, trial_number: int, epochs_done: int | None = None) -> str:
+    """Where the trial's checkpoints are (its folder, or the one after ``epochs_done`` epochs) in
+    the store ``store``: a local path for a local store, a URI otherwise."""
+    key = checkpoint_dir(study_name, trial_number) if epochs_done is None else checkpoint_key(study_name, trial_number, epochs_done)
+    return get_store(store).location(key)
 
 
 def save_checkpoint(
@@ -55,7 +63,7 @@ def save_checkpoint(
     optimizer: dict[str, Any],
     schedules: dict[str, Any] | None = None,
 ) -> None:
-    """Write as a whole (``ArtifactStore.write``): a crash mid-write leaves the previous checkpoint.
+    """Write as a whole (``ArtifactStore.write``): a crash mid-write leaves no half checkpoint.
 
     ``schedules``: the member's LR schedulers' ``state_dict``s by role (``"warmup"``,
     ``"lr_scheduler"``), saved under ``"schedules"`` when given.
@@ -71,18 +79,33 @@ def load_checkpoint(store: ArtifactStore, key: str) -> dict[str, Any] | None:
     return store.load_torch(key)
 
 
-def remove_checkpoint(store: ArtifactStore, key: str) -> None:
-    store.delete(key)
+def saved_epochs(store: ArtifactStore, folder: str) -> list[int]:
+    """The epochs of the checkpoints in a trial's ``folder``, oldest first."""
+    return sorted(int(name[:-3]) for name in store.list(folder) if name.endswith(".pt") and name[:-3].isdigit())
+
+
+def remove_checkpoints(store: ArtifactStore, folder: str, keep: int | None = None) -> None:
+    """Remove the trial's checkpoints in ``folder``: all of them, or all but the one at ``keep``."""
+    if keep is None:
+        store.delete_dir(folder)
+        return
+    for epoch in saved_epochs(store, folder):
+        if epoch != keep:
+            store.delete(f"{folder}/{epoch}.pt")
 
 
 class CheckpointWriter:
     """Saves and removes checkpoints on one background thread, in the order they were asked.
 
+    A member's checkpoints are kept one per epoch in its folder until the control plane has
+    recorded a report naming a newer one (:meth:`confirm`, from the acknowledgements of the
+    reports): whatever the control plane knows of is in the store, so a trial it resumes
+    never resumes past the values it has stored, even if the worker ran ahead of it.
+
     :meth:`save` copies the member's tensors before it returns (the training thread goes on
     changing them in place), so what is written is exactly the state at that epoch boundary.
-    One thread keeps a save and a later remove of the same key in order. :meth:`durable`
-    tells the epochs done of the newest checkpoint of a key whose write has completed: what
-    a report may promise the control plane.
+    :meth:`durable` tells the epochs done of the newest checkpoint of a member whose write has
+    completed: what a report may promise the control plane.
     """
 
     def __init__(self, store: ArtifactStore | None) -> None:
@@ -90,41 +113,61 @@ class CheckpointWriter:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusetune-checkpoints")
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
-        self._durable: dict[str, int] = {}
+        self._durable: dict[str, int] = {}  # folder -> newest complete epoch
+        self._written: dict[str, set[int]] = {}  # folder -> epochs in the store (this writer's, and the resumed one)
 
     def save(
         self,
-        key: str,
+        folder: str,
         epochs_done: int,
         model: dict[str, torch.Tensor],
         optimizer: dict[str, Any],
         schedules: dict[str, Any] | None = None,
     ) -> None:
         model, optimizer, schedules = _cpu_copy(model), _cpu_copy(optimizer), _cpu_copy(schedules)
-        self._submit(self._save, key, epochs_done, model, optimizer, schedules)
+        self._submit(self._save, folder, epochs_done, model, optimizer, schedules)
 
-    def remove(self, key: str) -> None:
-        self._submit(self._remove, key)
+    def confirm(self, folder: str, epochs_done: int, newer: bool = False) -> None:
+        """The control plane has recorded the checkpoint at ``epochs_done``: older ones can go
+        (with ``newer``, every other one in the store: a member resumed from it)."""
+        self._submit(self._confirm, folder, epochs_done, newer)
 
-    def assume(self, key: str, epochs_done: int) -> None:
-        """``key`` holds a complete checkpoint at ``epochs_done`` already (a member resumed from it)."""
+    def remove(self, folder: str) -> None:
+        """The member ended: every checkpoint of it goes."""
+        self._submit(self._remove, folder)
+
+    def assume(self, folder: str, epochs_done: int) -> None:
+        """``folder`` holds a complete checkpoint at ``epochs_done`` already (a member resumed from it)."""
         with self._lock:
-            self._durable[key] = epochs_done
+            self._durable[folder] = epochs_done
+            self._written.setdefault(folder, set()).add(epochs_done)
 
-    def durable(self, key: str) -> int | None:
-        """Epochs done of ``key``'s newest checkpoint written completely, if any."""
+    def durable(self, folder: str) -> int | None:
+        """Epochs done of the member's newest checkpoint written completely, if any."""
         with self._lock:
-            return self._durable.get(key)
+            return self._durable.get(folder)
 
-    def _save(self, key: str, epochs_done: int, *state: Any) -> None:
-        save_checkpoint(self.store, key, epochs_done, *state)
+    def _save(self, folder: str, epochs_done: int, *state: Any) -> None:
+        save_checkpoint(self.store, f"{folder}/{epochs_done}.pt", epochs_done, *state)
         with self._lock:
-            self._durable[key] = epochs_done
+            self._durable[folder] = epochs_done
+            self._written.setdefault(folder, set()).add(epochs_done)
 
-    def _remove(self, key: str) -> None:
+    def _confirm(self, folder: str, epochs_done: int, newer: bool = False) -> None:
+        if newer:
+            remove_checkpoints(self.store, folder, keep=epochs_done)
+            return
         with self._lock:
-            self._durable.pop(key, None)
-        remove_checkpoint(self.store, key)
+            old = sorted(e for e in self._written.get(folder, ()) if e < epochs_done)
+            self._written[folder] = {e for e in self._written.get(folder, ()) if e >= epochs_done}
+        for epoch in old:
+            self.store.delete(f"{folder}/{epoch}.pt")
+
+    def _remove(self, folder: str) -> None:
+        with self._lock:
+            self._durable.pop(folder, None)
+            self._written.pop(folder, None)
+        remove_checkpoints(self.store, folder)
 
     def flush(self) -> None:
         """Wait for every write asked so far; re-raises the first one that failed."""

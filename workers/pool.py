@@ -89,6 +89,7 @@ class WorkerPool:
         self.workers: list[WorkerHandle] = []
         self._cpu_threads: int | None = None  # threads of each CPU worker, fixed at the first refresh
         self._index: dict[str, int] = {}  # device type -> the next worker's number
+        self._starting: list[WorkerHandle] = []  # started, waiting for their resources
         self.refresh()
 
     def refresh(self) -> list[WorkerHandle]:
@@ -99,11 +100,12 @@ class WorkerPool:
         workers; CPU workers are started only while the cluster has no accelerator at all.
         """
         nodes = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
-        gone = [w for w in self.workers if w.idle and w.node_id and w.node_id not in nodes]
+        gone = [w for w in [*self.workers, *self._starting] if w.idle and w.node_id and w.node_id not in nodes]
         for worker in gone:
             log.warning("worker %s left with its node %s", worker.name, worker.node_id[:12])
             self._kill(worker)
         self.workers = [w for w in self.workers if w not in gone]
+        self._starting = [w for w in self._starting if w not in gone]
         accelerators = any(r.get("GPU", 0) >= 1 or r.get("TPU", 0) >= 1 for r in nodes.values())
         slots: list[tuple[str, int, str]] = []  # device type, threads, node id
         budget: int | None = None  # CPU workers left to place in the first refresh
@@ -113,7 +115,7 @@ class WorkerPool:
                 self.cpu_workers = budget = self.cpu_workers or total
                 self._cpu_threads = max(1, total // self.cpu_workers)
         for node_id, resources in nodes.items():
-            mine = [w for w in self.workers if w.node_id == node_id]
+            mine = [w for w in [*self.workers, *self._starting] if w.node_id == node_id]
             if accelerators:
                 for device_type, resource in (("cuda", "GPU"), ("xla", "TPU")):
                     have = sum(w.device_type == device_type for w in mine)
@@ -125,24 +127,33 @@ class WorkerPool:
             if budget is not None:  # the first refresh starts cpu_workers workers in all
                 want, budget = min(want, budget), budget - min(want, budget)
             slots += [("cpu", self._cpu_threads, node_id)] * want
-        started = []
         for device_type, threads, node_id in slots:
             index = self._index.get(device_type, 0)
             self._index[device_type] = index + 1
-            started.append(self._start(f"{self.name_prefix}-{device_type}-{index}", device_type, threads, node_id))
-        per_node = {n: sum(w.node_id == n and w.device_type == "cpu" for w in [*self.workers, *started]) for n in nodes}
-        for worker in started:
+            self._starting.append(self._start(f"{self.name_prefix}-{device_type}-{index}", device_type, threads, node_id))
+        # Workers come up once Ray has their resources: the first refresh waits up to
+        # timeout_s for them; those still pending (their CPUs are another pool's for now)
+        # join at a later refresh, when they have.
+        pending = {w.actor.info.remote(): w for w in self._starting}
+        wait = self.timeout_s if not self.workers else 0.0
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait) if pending else ([], [])
+        started = []
+        per_node = {n: sum(w.node_id == n and w.device_type == "cpu" for w in [*self.workers, *self._starting]) for n in nodes}
+        for ref in ready:
+            worker = pending[ref]
+            self._starting.remove(worker)
             try:
-                self._describe(worker, max(1, per_node.get(worker.node_id, 1)))
-            except Exception as exc:  # never came up (its node left, no resources): not a worker
+                self._describe(worker, max(1, per_node.get(worker.node_id, 1)), ref)
+            except Exception as exc:  # it died coming up: a later refresh starts another
                 log.warning("worker %s did not start: %s", worker.name, exc)
                 self._kill(worker)
                 continue
             self.workers.append(worker)
-        return [w for w in started if w in self.workers]
+            started.append(worker)
+        return started
 
-    def _describe(self, worker: WorkerHandle, sharing: int) -> None:
-        info = ray.get(worker.actor.info.remote(), timeout=self.timeout_s)
+    def _describe(self, worker: WorkerHandle, sharing: int, info_ref: ray.ObjectRef | None = None) -> None:
+        info = ray.get(info_ref or worker.actor.info.remote(), timeout=self.timeout_s)
         worker.node, worker.node_id = info["node"], info["node_id"]
         # CPU workers on one node share its memory.
         worker.memory_bytes = int(info["memory_bytes"]) // (sharing if worker.device_type == "cpu" else 1)
@@ -271,6 +282,7 @@ class WorkerPool:
         self.workers = [w for w in self.workers if w is not worker]
 
     def shutdown(self) -> None:
-        for worker in self.workers:
+        for worker in [*self.workers, *self._starting]:
             self._kill(worker)
         self.workers.clear()
+        self._starting.clear()

@@ -20,6 +20,9 @@ class MemberSpec:
     optuna_trial_id: int
     number: int  # the trial's number in its Optuna study
     params: dict[str, Any]
+    # Where it starts: from scratch (0), from its checkpoint after that many epochs (the one
+    # the control plane recorded), or None: its newest checkpoint in the store, if any.
+    resume_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,9 @@ class EpochReply:
     """The control plane's answer to an :class:`EpochReport`."""
 
     prune: frozenset[int] = frozenset()  # trial ids whose pruner says stop
+    # How many of the array's reports the control plane has recorded since the last reply
+    # (each of its replies acknowledges one): their checkpoints are known, older ones can go.
+    acked: int = 1
 
 
 @dataclass

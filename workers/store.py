@@ -80,6 +80,11 @@ class ArtifactStore:
         except FileNotFoundError:
             pass
 
+    def list(self, key: str) -> list[str]:
+        """The names of the files directly under ``key`` (none when there is no such folder)."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self._path(key), allow_not_found=True))
+        return [info.base_name for info in infos if info.type == pafs.FileType.File]
+
     def delete_dir(self, key: str) -> None:
         """Remove everything under ``key`` (a study's artifacts), if anything is there."""
         try:

@@ -7,7 +7,7 @@ import dataclasses
 import math
 import time
 import traceback
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Generator, Sequence
 from typing import Any, Protocol
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fusetune.fusion as fusion
-from fusetune.workers.checkpoints import CheckpointWriter, checkpoint_key, load_checkpoint
+from fusetune.workers.checkpoints import CheckpointWriter, checkpoint_dir, load_checkpoint, saved_epochs
 from fusetune.workers.optimization import ArrayOptimizer, Recipe, optimizer_kwargs, resolve
 from fusetune.workers.spec import (
     ArrayOutcome,
@@ -59,22 +59,31 @@ def save_member(fused: fusion.FusedModel, index: int, spec: ArraySpec, member: M
 
 
 def _checkpoint_of(spec: ArraySpec, member: MemberSpec) -> str | None:
-    return checkpoint_key(spec.study_name, member.number) if spec.artifact_dir else None
+    """The store folder of the member's checkpoints (None: the array keeps none)."""
+    return checkpoint_dir(spec.study_name, member.number) if spec.artifact_dir else None
 
 
 def resume_members(
     spec: ArraySpec, members: Sequence[MemberSpec], models: Sequence[nn.Module]
 ) -> tuple[list[int], list[tuple[dict[str, Any], dict[str, Any]] | None]]:
-    """Load the checkpointed weights of the members that have a checkpoint into ``models``.
+    """Load the checkpointed weights of the members that resume into ``models``.
 
-    Returns each member's epochs done (0 when starting fresh) and its (optimizer, schedules)
-    states to load once the array's optimizer exists (None when fresh).
+    A member resumes from the checkpoint its ``resume_epoch`` names (the one the control
+    plane recorded), or, when that is None, from its newest one in the store; 0 starts it
+    from scratch. Returns each member's epochs done (0 when starting fresh) and its
+    (optimizer, schedules) states to load once the array's optimizer exists (None when fresh).
     """
     epochs: list[int] = []
     states: list[tuple[dict[str, Any], dict[str, Any]] | None] = []
     for member, model in zip(members, models, strict=True):
-        key = _checkpoint_of(spec, member)
-        ckpt = load_checkpoint(get_store(spec.artifact_dir), key) if key is not None else None
+        folder, ckpt = _checkpoint_of(spec, member), None
+        if folder is not None and member.resume_epoch != 0:
+            store = get_store(spec.artifact_dir)
+            at = member.resume_epoch
+            if at is None:
+                found = saved_epochs(store, folder)
+                at = found[-1] if found else None
+            ckpt = load_checkpoint(store, f"{folder}/{at}.pt") if at is not None else None
         if ckpt is None:
             epochs.append(0)
             states.append(None)
@@ -88,10 +97,16 @@ def resume_members(
 def _resumed(
     writer: CheckpointWriter, spec: ArraySpec, members: Sequence[MemberSpec], epochs: Sequence[int], states: Sequence[Any]
 ) -> None:
-    """The checkpoints members resumed from are in the store already: reports may name them."""
+    """The checkpoints members resumed from are in the store already: reports may name them.
+    Others of theirs (a dead array's, trained past what the control plane recorded) go."""
+    if spec.artifact_dir is None:
+        return
     for member, done, state in zip(members, epochs, states, strict=True):
         if state is not None:
             writer.assume(_checkpoint_of(spec, member), done)
+            writer.confirm(_checkpoint_of(spec, member), done, newer=True)
+        elif member.resume_epoch is not None:
+            writer.remove(_checkpoint_of(spec, member))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -210,6 +225,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
     members: list[MemberSpec] = list(spec.members)
     writer = CheckpointWriter(get_store(spec.artifact_dir) if spec.artifact_dir else None)
     last_saved: dict[int, tuple[int, float]] = {}  # trial id -> (epochs done, train seconds) at its last checkpoint
+    sent: deque[list[tuple[str, int]]] = deque()  # per report not yet acknowledged: the checkpoints it named
     try:
         clock = time.perf_counter()
         workload = get_workload(spec.workload)
@@ -319,9 +335,13 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
                 solo_steps_per_s=solo,
                 timings=dict(epoch),
             )
+            sent.append([(_checkpoint_of(spec, m), durable[m.trial_id]) for m in members if durable.get(m.trial_id) is not None])
             clock = time.perf_counter()
             reply = (yield report) or EpochReply()
             timings["report_s"] += time.perf_counter() - clock
+            for _ in range(min(reply.acked, len(sent))):  # recorded: the older checkpoints can go
+                for folder, done in sent.popleft():
+                    writer.confirm(folder, done)
             joined = []
             for b, member in enumerate(members):
                 if b not in ended and member.trial_id in reply.prune:

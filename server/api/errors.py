@@ -5,8 +5,8 @@
   error. Event ids are 64-bit (``MAX_EVENT_ID``).
 * :func:`document_errors` adds each route's error answers to the OpenAPI document, with
   their bodies' schemas, from what the route is: 401 when it authenticates, 403 when only
-  the admin may call it, 404 when it names a resource by id or name, 413 and 415 when it
-  takes a body (``server/api/limits.py``), 503 when it reads the database (any route may
+  the admin may call it, 404 when it names a resource by id or name, 400 when it reads a
+  body, 413 and 415 when it takes one (``server/api/limits.py``), 503 when it reads the database (any route may
   find it down). 409 and the other route-specific answers are in the routes' own
   ``responses``; 422 is FastAPI's, for routes with parameters.
 * :func:`method_not_allowed`: a 405's ``Allow`` lists every method of the path, not only
@@ -68,6 +68,7 @@ UNAUTHORIZED = {
 FORBIDDEN = {403: _error("Only the admin may do this.")}
 NOT_FOUND = {404: _error("No such resource, or another tenant's.")}
 CONFLICT = {409: _error("The request clashes with the state of the service; `loc` names the field.", FieldErrors)}
+MALFORMED = {400: _error("The body cannot be read (not UTF-8, a broken chunked encoding).")}
 TOO_LARGE = {413: _error("The body is larger than FUSETUNE_MAX_BODY_BYTES.")}
 NOT_JSON = {415: _error("The body is not JSON (Content-Type: application/json).")}
 UNAVAILABLE = {503: _error("The database is unreachable, or the scheduling loop does not run.")}
@@ -113,6 +114,8 @@ def _responses_of(route: APIRoute, methods: set[str]) -> dict[int | str, Any]:
     named = {p.name for p in route.dependant.path_params} | {p.name for p in route.dependant.query_params if p.name == "study_id"}
     if named:
         out.update(NOT_FOUND)
+    if route.body_field is not None:
+        out.update(MALFORMED)
     if methods & _WRITES:
         out.update(TOO_LARGE)
         out.update(NOT_JSON)

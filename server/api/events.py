@@ -51,9 +51,9 @@ def _respond(request: Request, after: int | None, as_tenant: str | None, study_i
 def study_events(
     request: Request,
     study_id: StudyId,
-    after: int | None = After,
+    after: int = After,  # not nullable in the document: absent is None
     follow: bool = Follow,
-    last_event_id: int | None = LastEventId,
+    last_event_id: int = LastEventId,
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
 ) -> EventSourceResponse:
@@ -66,9 +66,9 @@ def study_events(
 @router.get("/events", response_class=EventSourceResponse, responses=_STREAM, tags=["events"])
 def tenant_events(
     request: Request,
-    after: int | None = After,
+    after: int = After,  # not nullable in the document: absent is None
     follow: bool = Follow,
-    last_event_id: int | None = LastEventId,
+    last_event_id: int = LastEventId,
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
 ) -> EventSourceResponse:

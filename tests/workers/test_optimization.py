@@ -192,7 +192,7 @@ def test_a_preempted_member_resumes_its_schedule_from_its_checkpoint(tmp_path: P
     inbox.release(first.array_id, [100])
     _, outcome = run(first, inbox)
     assert outcome.released == [100] and outcome.epochs_done == 1
-    checkpoint = torch.load(tmp_path / "study" / "checkpoints" / "trial-0.pt", weights_only=True)
+    checkpoint = torch.load(tmp_path / "study" / "checkpoints" / "trial-0" / "1.pt", weights_only=True)
     assert set(checkpoint["schedules"]) == {"warmup", "lr_scheduler"}
 
     reports, outcome = run(spec_of(tmp_path, [params], epochs=3, seed=4, array_id=2, training=training))

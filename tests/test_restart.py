@@ -1,0 +1,146 @@
+"""The whole service killed with -9 (server, scheduling loop and its local Ray), and a second
+server on the same database that stands by, serves reads, and takes over when the first dies.
+
+The service runs as ``fusetune serve`` in a process and session of its own (tests/faults.py),
+with its own local Ray, so that ``kill -9`` takes all of it at once, as a crash would.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from pathlib import Path
+
+import httpx
+import optuna
+import pytest
+import sqlalchemy as sa
+
+from fusetune.client import Client
+from tests.faults import ServiceProcess, audit, record, reported_steps, resumed, wait_until
+
+pytestmark = pytest.mark.slow
+D = optuna.distributions
+ONE_SHAPE = {
+    "hidden": D.distribution_to_json(D.CategoricalDistribution([32])),
+    "lr": D.distribution_to_json(D.FloatDistribution(0.01, 0.1)),
+}
+
+
+def env_for(url: str, artifacts: Path) -> dict[str, str]:
+    return {
+        "FUSETUNE_DATABASE_URL": url,
+        "FUSETUNE_ARTIFACT_DIR": str(artifacts),
+        "FUSETUNE_CPU_WORKERS": "1",
+        "FUSETUNE_MAX_ARRAY_SIZE": "4",
+        "FUSETUNE_CHECKPOINT_INTERVAL_S": "0",
+        "FUSETUNE_LEADER_POLL_S": "0.5",
+    }
+
+
+def checkpoints(url: str, study_id: int) -> dict[int, int | None]:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return dict(conn.execute(sa.text("SELECT number, checkpoint_epoch FROM ft_trials WHERE study_id = :s"), {"s": study_id}).all())
+    finally:
+        engine.dispose()
+
+
+def start_sweep(client: Client, url: str, name: str, epochs: int) -> tuple[int, dict[int, int]]:
+    """A one-array study; returns its id once every member has reported its second checkpoint."""
+    study = client.create_study(
+        "digits-mlp", n_trials=4, epochs=epochs, name=name, search_space=ONE_SHAPE,
+        sampler={"name": "RandomSampler", "kwargs": {"seed": 4}},
+    )
+    durable = wait_until(
+        lambda: (c := checkpoints(url, study["id"])) and len(c) == 4 and all((e or 0) >= 2 for e in c.values()) and c,
+        "every member's second checkpoint", 240,
+    )
+    return study["id"], durable
+
+
+def check_resumed(url: str, name: str, epochs: int, durable: dict[int, int], stored: dict[int, int]) -> dict:
+    result = audit(url, name, epochs)
+    assert result["unfinished"] == [] and result["states"] == ["COMPLETE"]
+    assert result["points_lost"] == 0 and result["points_duplicated"] == 0
+    assert set(result["resumed_at_epochs"]) == set(durable)
+    for number, (at,) in result["resumed_at_epochs"].items():
+        # From its last reported checkpoint or a later one, never from scratch...
+        assert 0 < durable[number] <= at
+    # ...so at most the epochs since that checkpoint were trained again: those it had
+    # reported past the checkpoint it resumed from.
+    assert result["epochs_retrained"] == sum(stored[n] - at for n, (at,) in result["resumed_at_epochs"].items())
+    assert result["epochs_retrained"] <= sum(stored[n] - durable[n] for n in durable)
+    return result
+
+
+def test_the_whole_service_killed_with_sigkill_resumes_from_checkpoints(tmp_path: Path) -> None:
+    url, artifacts, epochs, name = f"sqlite:///{tmp_path / 'fusetune.db'}", tmp_path / "artifacts", 60, "kill9"
+    admin = secrets.token_urlsafe(24)
+    first = ServiceProcess(env_for(url, artifacts), tmp_path / "first.log", admin).start()
+    second = ServiceProcess(env_for(url, artifacts), tmp_path / "second.log", admin)
+    try:
+        first.healthy()
+        with Client(first.url, token=first.token()) as client:
+            sid, durable = start_sweep(client, url, name, epochs)
+        first.kill9()
+        hit = time.monotonic()
+        stored = reported_steps(url, name)  # what the dead service had written: final now
+        assert all(stored[n] < epochs for n in durable), "the sweep ended before the kill"
+
+        second.start().healthy()
+        with Client(second.url, token=second.token()) as client:
+            wait_until(lambda: resumed(client, sid, set(durable)), "the members to resume after the restart", 240)
+            recovered = time.monotonic() - hit
+            done = client.wait(sid, timeout=300)
+        assert done["trial_counts"].get("COMPLETE") == 4, done["trial_counts"]
+        result = check_resumed(url, name, epochs, durable, stored)
+        record(
+            "whole service killed -9 and restarted", points_lost=0, points_duplicated=0,
+            epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
+            resumed_at_epochs=result["resumed_at_epochs"], how="measured by tests/test_restart.py (includes the restart)",
+        )
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_standby_server_serves_reads_and_takes_over_when_the_scheduler_dies(database_url: str, tmp_path: Path) -> None:
+    """Two servers on one database: one scheduler (PostgreSQL advisory lock, SQLite file lock)."""
+    url, artifacts, epochs = database_url, tmp_path / "artifacts", 60
+    name = f"takeover-{make_backend(url)}"
+    admin = secrets.token_urlsafe(24)
+    leader = ServiceProcess(env_for(url, artifacts), tmp_path / "leader.log", admin).start()
+    standby = ServiceProcess(env_for(url, artifacts), tmp_path / "standby.log", admin)
+    try:
+        leader.healthy()
+        standby.start().healthy(workers=False)
+        with Client(leader.url, token=leader.token()) as client:
+            sid, durable = start_sweep(client, url, name, epochs)
+        with Client(standby.url, token=standby.token()) as reader:
+            assert httpx.get(f"{standby.url}/healthz").json()["workers"] == 0  # it does not schedule
+            assert reader.study(sid)["name"] == name and len(reader.trials(sid)) == 4  # it serves reads
+            assert len(reader.arrays(sid)) == 1  # only the leader started an array
+
+            leader.kill9()
+            hit = time.monotonic()
+            stored = reported_steps(url, name)
+            standby.healthy()  # it took the lock and started its workers
+            wait_until(lambda: resumed(reader, sid, set(durable)), "the members to resume on the new scheduler", 240)
+            recovered = time.monotonic() - hit
+            done = reader.wait(sid, timeout=300)
+        assert done["trial_counts"].get("COMPLETE") == 4, done["trial_counts"]
+        result = check_resumed(url, name, epochs, durable, stored)
+        record(
+            f"scheduler killed -9, standby takes over ({make_backend(url)})", points_lost=0, points_duplicated=0,
+            epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
+            resumed_at_epochs=result["resumed_at_epochs"], how="measured by tests/test_restart.py",
+        )
+    finally:
+        leader.stop()
+        standby.stop()
+
+
+def make_backend(url: str) -> str:
+    return sa.engine.make_url(url).get_backend_name()
