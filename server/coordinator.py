@@ -744,7 +744,8 @@ class Coordinator:
             training=self._training_of(study),
         )
         self._live[array.id] = _Live(
-            study.id, {t.id: t.optuna_trial_id for t in trials}, client_decides=study.driver == "client", tenant=study.tenant
+            study.id, {t.id: t.optuna_trial_id for t in trials}, client_decides=study.driver == "client", tenant=study.tenant,
+            announced={t.id for t in trials},
         )
         self.pool.submit(worker, spec)
         log.info("array %d: %d trials of study %s on %s", array.id, len(trials), study.name, worker.name)
@@ -776,6 +777,9 @@ class Coordinator:
                 where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
                 ended: list[int] = []
                 for joined in report.joined:
+                    if joined.trial_id in live.announced:  # a first member: its trial.started came with the array
+                        live.announced.discard(joined.trial_id)
+                        continue
                     events.record(
                         session, "trial.started", **where, trial_id=joined.trial_id, resumed_at_epoch=joined.resumed_at_epoch
                     )
@@ -1090,6 +1094,7 @@ class _Live:
     optuna_ids: dict[int, int]  # fusetune trial id -> Optuna trial id, members and newcomers
     client_decides: bool = False  # a client-driven study: its client decides pruning
     tenant: str = "default"  # the study's, for its events
+    announced: set[int] = field(default_factory=set)  # first members whose trial.started is written, until they join
     epochs_done: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     checkpoints: dict[int, int] = field(default_factory=dict)  # trial id -> checkpoint epoch stored in ft_trials

@@ -5,10 +5,20 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import optuna
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from fusetune.server.db import ArrayState, StudyState, TrialState
 from fusetune.server.optuna_specs import PRUNERS, SAMPLERS, SpecError, make_pruner, make_sampler
@@ -25,10 +35,28 @@ from fusetune.workers.spec import TrainingSpec
 from fusetune.workers.workloads import UnknownWorkloadError, Workload, available_workloads, WorkloadImportsDisabled, get_workload
 
 
+def _json_integer(value: Any) -> Any:
+    """A JSON integer: 3 or 3.0 (JSON Schema's integers), never true, "3" or 3.5."""
+    if value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be an integer")
+        return int(value)
+    return value
+
+
+#: An integer field of a request body (its model is strict: no strings or booleans for numbers).
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+OptionalJsonInt = Annotated[int | None, BeforeValidator(_json_integer)]  # (constraints then apply to the int)
+
+
 class ComponentSpec(BaseModel):
     """An Optuna sampler or pruner: class name (or short alias) and constructor kwargs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(examples=["TPESampler", "random", "MedianPruner"])
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -88,7 +116,7 @@ class OptimizerSpec(BaseModel):
     overrides them for that trial (``beta1``/``beta2`` override ``betas``' elements).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(
         examples=["AdamW", "SGD", "RMSprop"], description="A torch.optim class name (lower case accepted).",
@@ -116,7 +144,7 @@ class LRSchedulerSpec(BaseModel):
     {"step_size": 5, "gamma": 0.5}}``. A trial param of the same name overrides a kwarg
     (unless the optimizer takes that name too: then it is the optimizer's)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(
         examples=["StepLR", "CosineAnnealingLR", "ReduceLROnPlateau"], description="A torch.optim.lr_scheduler class name.",
@@ -156,6 +184,17 @@ def parse_search_space(
     return out
 
 
+def _metric_names() -> list[str]:
+    """Every metric a registered workload declares (a study's must be its own workload's)."""
+    names = set()
+    for name in available_workloads():
+        try:
+            names |= {m.name for m in get_workload(name).metrics}
+        except Exception:  # a broken entry point: its studies get a 422 naming workload anyway
+            continue
+    return sorted(names)
+
+
 class StudyCreate(BaseModel):
     """A request to run a tuning study.
 
@@ -164,11 +203,15 @@ class StudyCreate(BaseModel):
     when given it replaces the workload's default search space entirely.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    workload: str = Field(examples=["digits-mlp"])
-    n_trials: int = Field(gt=0, le=100_000)
-    epochs: int = Field(10, gt=0, le=10_000)
+    workload: str = Field(
+        examples=["digits-mlp"],
+        description="A registered workload (or, where the server allows imports, a `package.module:attr` path).",
+        json_schema_extra={"enum": sorted(available_workloads())},
+    )
+    n_trials: JsonInt = Field(gt=0, le=100_000)
+    epochs: JsonInt = Field(10, gt=0, le=10_000)
     direction: Literal["minimize", "maximize"] | None = Field(
         None, description="Defaults to the workload's metric direction."
     )
@@ -180,7 +223,7 @@ class StudyCreate(BaseModel):
         description="The tenant the study belongs to. A tenant's token: its own (the default). "
         "The admin's: any tenant; default `default`.",
     )
-    search_space: dict[str, str | dict[str, Any]] | None = None
+    search_space: dict[str, str | dict[str, Any]] | None = Field(None, json_schema_extra={"minProperties": 1})
     sampler: SamplerSpec = Field(default_factory=lambda: SamplerSpec(name="TPESampler"))
     pruner: PrunerSpec | None = None
     driver: Literal["service", "client"] = Field(
@@ -190,14 +233,14 @@ class StudyCreate(BaseModel):
         "decides pruning after each epoch (POST /trials/{id}/pruning); the study names no sampler "
         "or pruner. fusetune.client.optimize drives a user's own Optuna study this way.",
     )
-    max_array_size: int | None = Field(None, gt=0, le=4096)
+    max_array_size: OptionalJsonInt = Field(None, gt=0, le=4096)
     optimizer: OptimizerSpec | None = Field(
         None, description="The trials' optimizer; default: the workload's. A trial param `optimizer` overrides it."
     )
     lr_scheduler: LRSchedulerSpec | None = Field(
         None, description="An LR scheduler, stepped once per epoch; default: the workload's (none for digits)."
     )
-    warmup_epochs: int | None = Field(
+    warmup_epochs: OptionalJsonInt = Field(
         None, ge=0, le=10_000,
         description="Linear LR warm-up over this many epochs (torch's LinearLR(1/(W+1), total_iters=W) chained "
         "with the scheduler); a trial param `warmup_epochs` overrides it.",
@@ -211,6 +254,7 @@ class StudyCreate(BaseModel):
     )
     metrics: list[str] | None = Field(
         None, min_length=1, max_length=16,
+        json_schema_extra={"uniqueItems": True, "items": {"type": "string", "enum": _metric_names()}},
         description="The objectives, workload metrics by name (digits: accuracy, n_params); several make a "
         "multi-objective study (NSGA-II by default, no pruner). The first is each epoch's intermediate value. "
         "Default: the workload's metric.",
@@ -447,7 +491,7 @@ class ArrayOut(BaseModel):
 class TrialEnqueue(BaseModel):
     """Optuna's ``study.enqueue_trial``: a trial with fixed params, asked at once."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     params: dict[str, Any] = Field(description="Fixed params; any the search space suggests besides are sampled.")
     user_attrs: dict[str, Any] = Field(default_factory=dict)
@@ -456,16 +500,16 @@ class TrialEnqueue(BaseModel):
 class PruningDecision(BaseModel):
     """A client-driven study's decision on a trial's intermediate value at ``step``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    step: int = Field(ge=0, le=2**31 - 1)
+    step: JsonInt = Field(ge=0, le=2**31 - 1)
     prune: bool
 
 
 class AttrValue(BaseModel):
     """The value of one user attr: any JSON value, as Optuna's ``set_user_attr`` takes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     value: Any
 
@@ -478,24 +522,27 @@ _MAX_TRIALS = {"ge": 1, "le": 100_000, "description": "Most trials (n_trials) on
 class TenantCreate(BaseModel):
     """A new tenant (admin only); it gets its first token in the answer."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                       description="Letters, digits, '.', '_' and '-', starting with a letter or digit.")
     weight: float = Field(1.0, **_WEIGHT)
-    max_running_studies: int | None = Field(None, **_MAX_RUNNING)
-    max_trials_per_study: int | None = Field(None, **_MAX_TRIALS)
+    max_running_studies: OptionalJsonInt = Field(None, **_MAX_RUNNING)
+    max_trials_per_study: OptionalJsonInt = Field(None, **_MAX_TRIALS)
     token_label: str | None = Field(None, max_length=255, description="A note on the first token (who holds it).")
 
 
 class TenantUpdate(BaseModel):
     """Changes to a tenant's weight or quotas (admin only); fields left out stay as they are."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"minProperties": 1})
 
-    weight: float | None = Field(None, **_WEIGHT)
-    max_running_studies: int | None = Field(None, **_MAX_RUNNING)
-    max_trials_per_study: int | None = Field(None, **_MAX_TRIALS)
+    # Not nullable in the document: null is refused (leave it out to keep the weight).
+    weight: Annotated[float | None, WithJsonSchema({"type": "number", "exclusiveMinimum": 0, "maximum": 1e6})] = Field(
+        None, **_WEIGHT, json_schema_extra=lambda schema: schema.pop("default", None)
+    )
+    max_running_studies: OptionalJsonInt = Field(None, **_MAX_RUNNING)
+    max_trials_per_study: OptionalJsonInt = Field(None, **_MAX_TRIALS)
 
     @field_validator("weight")
     @classmethod
@@ -525,7 +572,7 @@ class TenantOut(BaseModel):
 
 
 class TokenCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     label: str | None = Field(None, max_length=255, description="A note on the token (who holds it).")
 
