@@ -26,9 +26,10 @@ MAX_EXAMPLES = 25
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[LiveApi]:
-    """The API alone on SQLite; its event streams end after a second (they would follow forever)."""
-    yield from live_api(f"sqlite:///{tmp_path / 'fusetune.db'}", events_max_stream_s=1.0, max_body_bytes=64 * 1024)
+def served(database_url: str) -> Iterator[LiveApi]:
+    """The API alone, on SQLite and on PostgreSQL; its event streams end after a second (they
+    would follow forever)."""
+    yield from live_api(database_url, events_max_stream_s=1.0, max_body_bytes=64 * 1024)
 
 
 def test_schemathesis_finds_nothing(served: LiveApi, tmp_path: Path) -> None:
