@@ -247,6 +247,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         with Client(server.url, token=settings.admin_token.get_secret_value()) as admin:
             token = _local_tenant_token(admin)
         print(f"tenant 'default', its token (shown once; also in the summary below):\n  export FUSETUNE_TOKEN={token}")
+        print(f"dashboard (logs in as 'default'; watch the sweep live):\n  {server.url}/#token={token}")
         if made_up_admin:
             print(f"admin token of this run (set FUSETUNE_ADMIN_TOKEN to keep one):\n  {settings.admin_token.get_secret_value()}")
         with Client(server.url, token=token) as client:
@@ -273,6 +274,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"\nsweep finished in {elapsed:.1f} s")
             if best:
                 print(f"best trial #{best['number']}: accuracy {best['value']:.4f} with {best['params']}")
+            print(f"\ndashboard: {server.url}/#token={token}")
             print(f"\nAPI docs:  {server.url}/docs")
             print(f"trials:    {server.url}/api/v1/studies/{study['id']}/trials")
             print(f"token:     export FUSETUNE_TOKEN={token}   (tenant 'default')")

@@ -61,6 +61,8 @@ def test_demo_sweep(ray_cluster: str, tmp_path: Path) -> None:
     assert len(tokens) == 1, out
     token = tokens.pop()
     assert "Authorization: Bearer $FUSETUNE_TOKEN" in out
+    # The dashboard's URL logs in with that same token (the page keeps it from the fragment).
+    assert set(re.findall(r"/#token=(\S+)", out)) == {token}, out
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'fusetune.db'}", port=free_port())
     server = BackgroundServer(settings, schedule=False).start()
     try:
@@ -68,6 +70,7 @@ def test_demo_sweep(ray_cluster: str, tmp_path: Path) -> None:
         assert studies.status_code == 200
         assert [(s["name"], s["tenant"], s["state"]) for s in studies.json()] == [(name, "default", "COMPLETE")]
         assert httpx.get(f"{server.url}/api/v1/studies").status_code == 401
+        assert "dashboard/app.js" in httpx.get(f"{server.url}/").text  # the page itself needs no token
         # The admin token was this run's only.
         admin = re.search(r"admin token of this run.*\n\s+(\S+)", out).group(1)
         assert httpx.get(f"{server.url}/api/v1/studies", headers={"Authorization": f"Bearer {admin}"}).status_code == 401

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.dashboard.conftest import PARETO, SWEEP, Service, copy_shots
@@ -69,6 +70,8 @@ def test_pages_follow_a_live_sweep(service: Service, page: Any, browser: Any) ->
     with page.context.expect_page() as opened:
         page.evaluate("(url) => window.open(url)", f"{service.url}/#/studies/{study_id}/progress")
     study_page = opened.value
+    listings: list[str] = []  # every request for the study's trials list
+    study_page.on("request", lambda r: listings.append(r.url) if f"/studies/{study_id}/trials" in r.url else None)
     study_page.wait_for_selector("[data-testid=n-complete]")
     study_page.evaluate("window.__noReload = true")
     started_with = int(study_page.inner_text("[data-testid=n-complete]")) + int(study_page.inner_text("[data-testid=n-pruned]"))
@@ -90,6 +93,9 @@ def test_pages_follow_a_live_sweep(service: Service, page: Any, browser: Any) ->
     )
     assert page.evaluate("window.__noReload") is True
     assert study_page.evaluate("window.__noReload") is True
+    # The trials were downloaded once; every later read asked only for what changed since.
+    whole = [u for u in listings if "updated_since=" not in u and "after=" not in u]
+    assert len(whole) == 1 and len(listings) > 1, listings
     # The history has the best value the API reports.
     best = service.client.study(study_id)["best_trial"]
     study_page.wait_for_function(
@@ -204,6 +210,15 @@ def test_brushing_and_filters_change_the_rows(service: Service, page: Any, shots
     best_trial = next(t for t in trials if t["number"] == best["number"])
     assert f"array {best_trial['array_id']}" in drawer.inner_text()
     page.screenshot(path=str(shots_dir / "trial-drawer.png"))
+    # Its weights download through the bearer header: the bytes the API serves.
+    with page.expect_download() as download:
+        drawer.locator("text=Download state_dict").click()
+    saved = Path(download.value.path()).read_bytes()
+    served = httpx.get(
+        f"{service.url}/api/v1/trials/{best_trial['id']}/state_dict", headers={"Authorization": f"Bearer {service.token}"}
+    )
+    assert served.status_code == 200 and saved == served.content and len(saved) > 1000
+    assert download.value.suggested_filename == f"trial-{best['number']}.pt"
     page.keyboard.press("Escape")
     drawer.wait_for(state="detached")
 

@@ -29,8 +29,14 @@ export class StudiesStore extends Emitter {
   }
 
   async load() {
-    const body = await get("studies", routeTakes("GET", "/api/v1/studies", "limit") ? { limit: 500 } : undefined);
-    this.studies = Array.isArray(body) ? body : body.items ?? body.studies ?? [];
+    const studies = [];
+    let page = await getPage("studies", routeTakes("GET", "/api/v1/studies", "limit") ? { limit: 1000 } : undefined);
+    for (;;) {
+      studies.push(...page.items);
+      if (!page.next || !page.items.length) break;
+      page = await getPage(page.next);
+    }
+    this.studies = studies;
     this.loaded = true;
     this.emit("studies");
   }
