@@ -1,0 +1,39 @@
+"""On CPU workers, arrays respect a memory budget (FUSETUNE_WORKER_MEMORY_BYTES) through the
+fusion engine's memory model: bytes(B) = base + B * member, measured from fused arrays of one
+and two members (fusion.sizing.memory_model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+
+from fusetune.server.coordinator import array_memory_model
+from fusetune.workers.workloads import get_workload
+from tests.conftest import running_service
+
+pytestmark = pytest.mark.slow
+D = optuna.distributions
+
+
+def test_arrays_fit_the_memory_budget(ray_cluster: str, tmp_path: Path) -> None:
+    params = {"hidden": 64, "lr": 0.05, "momentum": 0.0, "weight_decay": 1e-4}
+    base, member = array_memory_model(get_workload("digits-mlp"), params)
+    assert base > 0 and member > 0
+    budget = base + int(2.5 * member)  # two members fit, three do not
+    space = {
+        "hidden": D.distribution_to_json(D.CategoricalDistribution([64])),
+        "lr": D.distribution_to_json(D.FloatDistribution(0.01, 0.1)),
+    }
+    url = f"sqlite:///{tmp_path / 'fusetune.db'}"
+    with running_service(ray_cluster, url, cpu_workers=1, max_array_size=8, worker_memory_bytes=budget,
+                         artifact_dir=tmp_path / "artifacts") as client:
+        study = client.create_study("digits-mlp", n_trials=6, epochs=2, name="budget", search_space=space,
+                                    sampler={"name": "RandomSampler", "kwargs": {"seed": 0}})
+        done = client.wait(study["id"], timeout=300)
+        arrays = client.arrays(study["id"])
+    assert done["trial_counts"].get("COMPLETE") == 6
+    assert sum(a["size"] for a in arrays) == 6
+    assert max(a["size"] for a in arrays) == 2  # as large as the budget allows, never larger
+    assert all(base + a["size"] * member <= budget for a in arrays)
