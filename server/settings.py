@@ -67,7 +67,7 @@ class Settings(BaseSettings):
         "and its members resume from their checkpoints.",
     )
     db_retry_s: float = Field(
-        1.0, gt=0, description="First wait before the scheduling loop retries a database that failed (doubling, up to 30 s)."
+        1.0, gt=0, description="First wait before the scheduling loop retries a database that failed (doubling, up to 5 s)."
     )
     leader_poll_s: float = Field(
         2.0,
