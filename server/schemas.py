@@ -9,8 +9,10 @@ from typing import Annotated, Any, Literal
 
 import optuna
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
+    StringConstraints,
     ConfigDict,
     Field,
     ValidationError,
@@ -47,6 +49,22 @@ def _json_integer(value: Any) -> Any:
         return int(value)
     return value
 
+
+#: Text a request stores (names, keys, labels): anything but NUL, which PostgreSQL's text refuses.
+NoNul = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$")]
+#: The OpenAPI words for an object whose keys are NoNul (pydantic would say patternProperties).
+NO_NUL_KEYS = {"propertyNames": {"pattern": r"^[^\x00]*$"}}
+
+
+def _no_nul_keys(value: Any) -> Any:
+    for key in value or ():
+        if "\x00" in key:
+            raise ValueError(f"key {key!r} contains NUL")
+    return value
+
+
+#: An object whose keys are stored as text (Optuna's param and attr names).
+NoNulKeys = AfterValidator(_no_nul_keys)
 
 #: An integer field of a request body (its model is strict: no strings or booleans for numbers).
 JsonInt = Annotated[int, BeforeValidator(_json_integer)]
@@ -219,11 +237,13 @@ class StudyCreate(BaseModel):
     name: str | None = Field(None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                              description="Letters, digits, '.', '_' and '-', starting with a letter or digit.")
     tenant: str | None = Field(
-        None, min_length=1, max_length=255,
+        None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
         description="The tenant the study belongs to. A tenant's token: its own (the default). "
         "The admin's: any tenant; default `default`.",
     )
-    search_space: dict[str, str | dict[str, Any]] | None = Field(None, json_schema_extra={"minProperties": 1})
+    search_space: Annotated[dict[str, str | dict[str, Any]] | None, NoNulKeys] = Field(
+        None, json_schema_extra={"minProperties": 1, **NO_NUL_KEYS}
+    )
     sampler: SamplerSpec = Field(default_factory=lambda: SamplerSpec(name="TPESampler"))
     pruner: PrunerSpec | None = None
     driver: Literal["service", "client"] = Field(
@@ -493,8 +513,10 @@ class TrialEnqueue(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    params: dict[str, Any] = Field(description="Fixed params; any the search space suggests besides are sampled.")
-    user_attrs: dict[str, Any] = Field(default_factory=dict)
+    params: Annotated[dict[str, Any], NoNulKeys] = Field(
+        description="Fixed params; any the search space suggests besides are sampled.", json_schema_extra=NO_NUL_KEYS
+    )
+    user_attrs: Annotated[dict[str, Any], NoNulKeys] = Field(default_factory=dict, json_schema_extra=NO_NUL_KEYS)
 
 
 class PruningDecision(BaseModel):
@@ -529,7 +551,7 @@ class TenantCreate(BaseModel):
     weight: float = Field(1.0, **_WEIGHT)
     max_running_studies: OptionalJsonInt = Field(None, **_MAX_RUNNING)
     max_trials_per_study: OptionalJsonInt = Field(None, **_MAX_TRIALS)
-    token_label: str | None = Field(None, max_length=255, description="A note on the first token (who holds it).")
+    token_label: NoNul | None = Field(None, max_length=255, description="A note on the first token (who holds it).")
 
 
 class TenantUpdate(BaseModel):
@@ -574,7 +596,7 @@ class TenantOut(BaseModel):
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    label: str | None = Field(None, max_length=255, description="A note on the token (who holds it).")
+    label: NoNul | None = Field(None, max_length=255, description="A note on the token (who holds it).")
 
 
 class TokenOut(BaseModel):

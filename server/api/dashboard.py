@@ -8,6 +8,7 @@ from sqlalchemy.orm import Session
 
 from fusetune.server import cluster, importance
 from fusetune.server.api.deps import authenticate, get_session, get_url
+from fusetune.server.api.errors import StudyId
 from fusetune.server.auth import Principal
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -15,7 +16,7 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
 @router.get("/studies/{study_id}/importances", response_model=importance.ImportancesOut, tags=["studies"])
 def param_importances(
-    study_id: int,
+    study_id: StudyId,
     evaluator: importance.Evaluator = Query("fanova", description="Optuna's evaluator: fANOVA, mean decrease impurity or PED-ANOVA."),
     objective: int = Query(0, ge=0, le=15, description="Which objective (0: the first)."),
     principal: Principal = Depends(authenticate),
@@ -30,7 +31,7 @@ def param_importances(
 
 @router.get("/studies/{study_id}/timeline", response_model=cluster.Timeline, tags=["arrays"])
 def array_timeline(
-    study_id: int,
+    study_id: StudyId,
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
 ) -> cluster.Timeline:

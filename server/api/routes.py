@@ -72,8 +72,13 @@ MaxPoints = Query(
 def list_studies(
     request: Request,
     response: Response,
-    tenant: str | None = Query(None, description="Only this tenant's (a tenant's token sees only its own anyway)."),
-    name: str | None = Query(None, min_length=1, max_length=255, description="Only the study of this name."),
+    tenant: str | None = Query(
+        None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Only this tenant's (a tenant's token sees only its own anyway).",
+    ),
+    name: str | None = Query(
+        None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Only the study of this name."
+    ),
     state: list[StudyState] | None = Query(None, description="Only studies in these states (repeat the parameter)."),
     sort: IdSort = Query("id", description="By id, oldest first (`id`) or newest first (`-id`)."),
     page: PageParams = Depends(page_params),
@@ -200,7 +205,7 @@ def decide_pruning(
 def set_study_user_attr(
     study_id: StudyId,
     body: AttrValue,
-    key: str = Path(min_length=1, max_length=512),
+    key: str = Path(min_length=1, max_length=512, pattern=r"^[^\x00]+$", description="Any text but NUL."),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
@@ -215,7 +220,10 @@ def list_arrays(
     response: Response,
     study_id: int | None = Query(None, ge=1, le=MAX_ID),
     state: list[ArrayState] | None = Query(None, description="Only arrays in these states (repeat the parameter)."),
-    tenant: str | None = Query(None, description="Only this tenant's (a tenant's token sees only its own anyway)."),
+    tenant: str | None = Query(
+        None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Only this tenant's (a tenant's token sees only its own anyway).",
+    ),
     sort: IdSort = Query("id", description="By id, oldest first (`id`) or newest first (`-id`)."),
     page: PageParams = Depends(page_params),
     principal: Principal = Depends(authenticate),
