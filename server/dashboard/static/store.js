@@ -33,7 +33,7 @@ export class StudiesStore extends Emitter {
     let page = await getPage("studies", routeTakes("GET", "/api/v1/studies", "limit") ? { limit: 1000 } : undefined);
     for (;;) {
       studies.push(...page.items);
-      if (!page.next || !page.items.length) break;
+      if (!page.next || !page.items.length || this.stopped) break;
       page = await getPage(page.next);
     }
     this.studies = studies;
@@ -86,6 +86,9 @@ export class StudyStore extends Emitter {
     this.id = studyId;
     this.study = null;
     this.trials = new Map(); // id -> trial
+    this._list = []; // by number (trialList)
+    this._index = new Map(); // id -> index in _list
+    this._unsorted = false;
     this.distributions = {};
     this.cursor = null; // the updated_since cursor: the latest change seen
     this.lastEventAt = null;
@@ -93,22 +96,55 @@ export class StudyStore extends Emitter {
     this.timer = null;
     this.stopped = false;
     this.version = 0;
+    this.complete = false; // every page of the first download is in
+    this.loaded = null; // resolves then
     this.syncing = coalesce(() => this.sync());
   }
 
+  /** Every trial by number. Kept in place as trials change: a changed trial replaces its old
+   * entry, a new one goes at the end (numbers grow), so no change sorts them all again. */
   get trialList() {
     if (this._listVersion !== this.version) {
-      this._list = [...this.trials.values()].sort((a, b) => a.number - b.number);
+      if (this._unsorted) {
+        this._list = [...this.trials.values()].sort((a, b) => a.number - b.number);
+        this._index = new Map(this._list.map((t, i) => [t.id, i]));
+        this._unsorted = false;
+      }
       this._listVersion = this.version;
     }
     return this._list;
   }
 
+  _place(t) {
+    const i = this._index.get(t.id);
+    if (i !== undefined) { this._list[i] = t; return; }
+    const last = this._list[this._list.length - 1];
+    if (!this._unsorted && (!last || last.number < t.number)) {
+      this._index.set(t.id, this._list.length);
+      this._list.push(t);
+    } else {
+      this._unsorted = true;
+    }
+  }
+
+  /**
+   * The study, and its trials page by page: resolves once the first page is in (the page is
+   * usable from then on), `loaded` once every page is. Each page emits "trials".
+   */
   async load() {
     this.study = await get(`studies/${this.id}`);
-    await this.fetchTrials(null);
     this.emit("study");
-    this.emit("trials", null);
+    let first;
+    const firstPage = new Promise((resolve) => { first = resolve; });
+    this.loaded = this.fetchTrials(null, () => first()).then((changed) => {
+      first();
+      // Nothing read yet (a new study): the next poll asks for every change from revision 0.
+      if (this.cursor === null && routeTakes("GET", "/api/v1/studies/{study_id}/trials", "updated_since")) this.cursor = 0;
+      this.complete = true;
+      this.emit("loaded", changed.length);
+    });
+    this.loaded.catch(() => first());
+    await firstPage;
   }
 
   /**
@@ -118,7 +154,7 @@ export class StudyStore extends Emitter {
    * a later page (or in the next poll), and the highest revision read is a cursor that
    * misses nothing. A server without revisions or pages answers with the whole list.
    */
-  async fetchTrials(since) {
+  async fetchTrials(since, onPage = null) {
     const path = `/api/v1/studies/{study_id}/trials`;
     const takes = (p) => routeTakes("GET", path, p);
     const params = {};
@@ -129,12 +165,16 @@ export class StudyStore extends Emitter {
     const changed = [];
     let page = await getPage(`studies/${this.id}/trials`, params);
     for (;;) {
-      for (const t of page.items) changed.push(this.put(t));
-      if (page.items.length) this.emit("page", this.trials.size);
-      if (!page.next || !page.items.length) break;
+      const items = page.items.map((t) => this.put(t));
+      changed.push(...items);
+      if (onPage) {
+        if (items.length) { this.version++; this.emit("trials", items); }
+        onPage(this.trials.size);
+      }
+      if (!page.next || !page.items.length || this.stopped) break;
       page = await getPage(page.next);
     }
-    if (changed.length) this.version++;
+    if (changed.length && !onPage) this.version++;
     return changed;
   }
 
@@ -151,6 +191,7 @@ export class StudyStore extends Emitter {
       values: raw.values ?? null,
       params: raw.params ?? {},
       iv: raw.intermediate_values ?? old?.iv ?? {},
+      hasCurve: false,
       array_id: raw.array_id,
       error: raw.error,
       created_at: raw.created_at,
@@ -161,7 +202,9 @@ export class StudyStore extends Emitter {
       revision: raw.revision ?? null,
     };
     if (t.revision !== null && (this.cursor === null || t.revision > this.cursor)) this.cursor = t.revision;
+    for (const _ in t.iv) { t.hasCurve = true; break; }
     this.trials.set(t.id, t);
+    this._place(t);
     return t;
   }
 

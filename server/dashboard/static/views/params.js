@@ -177,7 +177,7 @@ export function paramsTab(ctx) {
         xAxis: a.categorical ? { type: "category", data: a.data, ...AXIS } : { type: a.type, scale: true, axisLabel: { formatter: fmtAxis }, ...AXIS },
         yAxis: { type: "value", scale: true, ...AXIS },
         series: [{
-          type: "scatter", symbolSize: shown.length > 2000 ? 3 : 6, large: shown.length > 3000,
+          type: "scatter", symbolSize: shown.length > 2000 ? 3 : 6, large: shown.length > 3000, progressive: 0,
           data: shown.map((t) => [a.categorical ? String(t.params[name]) : t.params[name], objectiveValue(t), t.number]),
           itemStyle: { color: "#2563eb", opacity: 0.7 },
         }],

@@ -35,29 +35,38 @@ export function progressTab(ctx) {
   function renderHistory() {
     const s = store.study;
     const maximize = (s.directions?.[0] ?? s.direction) === "maximize";
-    const done = store.trialList.filter((t) => t.state === "COMPLETE" && t.value !== null);
-    const points = done.map((t) => [t.number, t.values ? t.values[0] : t.value]);
+    // One pass over the trials. Above 3,000 points the scatter gets a flat Float64Array
+    // (x0, y0, x1, y1, ...), which ECharts' large mode draws without a per-point object.
+    const list = store.trialList;
+    let n = 0;
+    for (const t of list) if (t.state === "COMPLETE" && t.value !== null) n++;
+    const large = n > 3000;
+    const flat = large ? new Float64Array(2 * n) : null;
+    const points = large ? null : [];
     const best = [];
-    let b = null;
-    for (const [n, v] of points) {
-      if (b === null || (maximize ? v > b : v < b)) b = v;
-      best.push([n, b]);
+    const pruned = [];
+    let b = null, k = 0;
+    for (const t of list) {
+      if (t.state === "PRUNED" && t.value !== null) { pruned.push([t.number, t.value]); continue; }
+      if (t.state !== "COMPLETE" || t.value === null) continue;
+      const v = t.values ? t.values[0] : t.value;
+      if (large) { flat[k++] = t.number; flat[k++] = v; } else points.push([t.number, v]);
+      if (b === null || (maximize ? v > b : v < b)) { b = v; best.push([t.number, b]); }
     }
-    const pruned = store.trialList.filter((t) => t.state === "PRUNED" && t.value !== null).map((t) => [t.number, t.value]);
-    const large = points.length > 3000;
-    history.note.textContent = points.length
-      ? `${points.length} complete trials${pruned.length ? `, ${pruned.length} pruned (their last intermediate value)` : ""}; ${maximize ? "higher" : "lower"} is better`
+    if (b !== null && list.length) best.push([list[list.length - 1].number, b]);
+    history.note.textContent = n
+      ? `${n.toLocaleString()} complete trials${pruned.length ? `, ${pruned.length} pruned (their last intermediate value)` : ""}; ${maximize ? "higher" : "lower"} is better`
       : "No trial has completed yet; the history draws as trials finish.";
     hist.chart.setOption({
       animation: false,
       grid: GRID,
-      tooltip: { trigger: "item", formatter: (p) => `#${p.value[0]}: ${fmtValue(p.value[1])}` },
+      tooltip: { trigger: "item", formatter: (p) => (Array.isArray(p.value) ? `#${p.value[0]}: ${fmtValue(p.value[1])}` : "") },
       legend: { top: 0, right: 0, data: ["complete", "pruned", "best so far"] },
       xAxis: { type: "value", name: "trial", nameLocation: "middle", nameGap: 24, ...AXIS, min: 0 },
       yAxis: { type: "value", name: s.metrics?.[0] ?? "value", scale: true, ...AXIS },
       series: [
-        { name: "complete", type: "scatter", data: points, symbolSize: large ? 2 : 6, large, largeThreshold: 3000, itemStyle: { color: "#2563eb" } },
-        { name: "pruned", type: "scatter", data: large ? sample(pruned, 20000) : pruned, symbol: "diamond", symbolSize: large ? 2 : 5, large, itemStyle: { color: STATE_COLOURS.PRUNED, opacity: 0.6 } },
+        { name: "complete", type: "scatter", data: large ? flat : points, dimensions: ["trial", "value"], symbolSize: large ? 2 : 6, large, largeThreshold: 3000, progressive: 0, itemStyle: { color: "#2563eb" } },
+        { name: "pruned", type: "scatter", data: large ? sample(pruned, 20000) : pruned, symbol: "diamond", symbolSize: large ? 2 : 5, large, progressive: 0, itemStyle: { color: STATE_COLOURS.PRUNED, opacity: 0.6 } },
         { name: "best so far", type: "line", step: "end", data: best, showSymbol: false, lineStyle: { color: "#dc2626", width: 2 }, itemStyle: { color: "#dc2626" }, sampling: "lttb" },
       ],
     }, { replaceMerge: ["series"] });
@@ -66,17 +75,31 @@ export function progressTab(ctx) {
   function chooseCurves() {
     const s = store.study;
     const maximize = (s.directions?.[0] ?? s.direction) === "maximize";
-    const withCurves = store.trialList.filter((t) => Object.keys(t.iv).length);
+    const withCurves = store.trialList.filter((t) => t.hasCurve);
     if (withCurves.length <= MAX_CURVES) return { shown: withCurves, total: withCurves.length };
     const key = (t) => (t.value === null ? -Infinity : maximize ? t.value : -t.value);
     const running = withCurves.filter((t) => t.state === "RUNNING").slice(-30);
     const pruned = withCurves.filter((t) => t.state === "PRUNED").slice(-30);
-    const done = withCurves.filter((t) => t.state === "COMPLETE").sort((a, b) => key(b) - key(a)).slice(0, MAX_CURVES - running.length - pruned.length);
+    // The best K complete ones in one pass (a small sorted buffer), not a sort of them all.
+    const K = MAX_CURVES - running.length - pruned.length;
+    const done = [];
+    for (const t of withCurves) {
+      if (t.state !== "COMPLETE") continue;
+      const v = key(t);
+      if (done.length === K && v <= key(done[K - 1])) continue;
+      let i = done.length;
+      while (i > 0 && key(done[i - 1]) < v) i--;
+      done.splice(i, 0, t);
+      if (done.length > K) done.pop();
+    }
     const shown = [...new Map([...done, ...running, ...pruned].map((t) => [t.id, t])).values()].sort((a, b) => a.number - b.number);
     return { shown, total: withCurves.length };
   }
 
   function renderCurves() {
+    // While the first download runs, the curves are drawn once (from the first page) and
+    // then when every trial is in: choosing the best of them reads them all.
+    if (!store.complete && curvePlot) return;
     const { shown, total } = chooseCurves();
     curves.note.textContent = total
       ? `${shown.length === total ? total : `${shown.length} of ${total}`} trials${shown.length < total ? " (the best, the running and the latest pruned)" : ""}; pruned trials dashed, × where they were pruned`
@@ -157,7 +180,7 @@ export function progressTab(ctx) {
       xAxis: { type: "value", name: m0, nameLocation: "middle", nameGap: 24, scale: true, ...AXIS },
       yAxis: { type: "value", name: m1, scale: true, ...AXIS },
       series: [
-        { name: "dominated", type: "scatter", data: others, symbolSize: 5, itemStyle: { color: "#94a3b8" }, large: others.length > 3000 },
+        { name: "dominated", type: "scatter", data: others, symbolSize: 5, itemStyle: { color: "#94a3b8" }, large: others.length > 3000, progressive: 0 },
         { name: "Pareto front", type: "scatter", data: onFront, symbolSize: 8, itemStyle: { color: "#dc2626" } },
       ],
     }, { replaceMerge: ["series"] });
