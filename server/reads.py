@@ -21,7 +21,8 @@ import numpy as np
 import optuna
 from optuna.storages._rdb import models as rdb
 from optuna.study import StudyDirection
-from sqlalchemy import ColumnElement, Select, case, func, select, tuple_
+from sqlalchemy import ColumnElement, Integer, Select, any_, case, func, literal, select, tuple_
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
 from fusetune.server.curves import downsample
@@ -39,6 +40,14 @@ ID_SORTS = ("id", "-id")
 
 _R = TypeVar("_R")
 _NONE = type(None)
+
+
+def _among(session: Session, column: Any, ids: Sequence[int]) -> ColumnElement[bool]:
+    """``column IN ids``; on PostgreSQL ``column = ANY(:ids)``, one array parameter: a page's
+    hundreds of ids then make one short statement that stays prepared, not a new long one."""
+    if session.get_bind().dialect.name == "postgresql":
+        return column == any_(literal(list(ids), ARRAY(Integer)))
+    return column.in_(ids)
 
 
 # -- keyset pages ------------------------------------------------------------------------------
@@ -148,34 +157,39 @@ def trial_outs(session: Session, trials: Sequence[Trial], *, max_points: int | N
     system_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
     if ids:
         tv, iv, tp = rdb.TrialValueModel, rdb.TrialIntermediateValueModel, rdb.TrialParamModel
+        finite_value, finite_step = tv.TrialValueType.FINITE, iv.TrialIntermediateValueType.FINITE
         for trial_id, objective, value, kind in session.execute(
-            select(tv.trial_id, tv.objective, tv.value, tv.value_type).where(tv.trial_id.in_(ids))
+            select(tv.trial_id, tv.objective, tv.value, tv.value_type).where(_among(session, tv.trial_id, ids))
         ):
-            values[trial_id][objective] = tv.stored_repr_to_value(value, kind)
+            values[trial_id][objective] = value if kind == finite_value else tv.stored_repr_to_value(value, kind)
         for trial_id, step, value, kind in session.execute(
-            select(iv.trial_id, iv.step, iv.intermediate_value, iv.intermediate_value_type).where(iv.trial_id.in_(ids))
+            select(iv.trial_id, iv.step, iv.intermediate_value, iv.intermediate_value_type).where(_among(session, iv.trial_id, ids))
         ):
-            curves[trial_id][step] = iv.stored_repr_to_intermediate_value(value, kind)
+            curves[trial_id][step] = value if kind == finite_step else iv.stored_repr_to_intermediate_value(value, kind)
         for trial_id, name, stored in session.execute(
-            select(tp.trial_id, tp.param_name, tp.distribution_json).where(tp.trial_id.in_(ids)).order_by(tp.param_id)
+            select(tp.trial_id, tp.param_name, tp.distribution_json).where(_among(session, tp.trial_id, ids)).order_by(tp.param_id)
         ):
             distributions[trial_id][name] = _distribution_json(stored)
         for model, into in ((rdb.TrialUserAttributeModel, user_attrs), (rdb.TrialSystemAttributeModel, system_attrs)):
             for trial_id, key, value_json in session.execute(
-                select(model.trial_id, model.key, model.value_json).where(model.trial_id.in_(ids))
+                select(model.trial_id, model.key, model.value_json).where(_among(session, model.trial_id, ids))
             ):
                 into[trial_id][key] = json.loads(value_json)
     out = []
     for trial in trials:
-        row = TrialOut.model_validate(trial)
         oid = trial.optuna_trial_id
         curve = curves.get(oid, {})
-        row.intermediate_values = downsample(curve, max_points) if max_points else dict(sorted(curve.items()))
-        row.values = [values[oid][k] for k in sorted(values[oid])] if oid in values else None
-        row.distributions = distributions.get(oid, {})
-        row.user_attrs = user_attrs.get(oid, {})
-        row.system_attrs = system_attrs.get(oid, {})
-        out.append(row)
+        out.append(
+            TrialOut.model_validate(trial).model_copy(  # what Optuna's tables add, without validating again
+                update={
+                    "intermediate_values": downsample(curve, max_points) if max_points else dict(sorted(curve.items())),
+                    "values": [values[oid][k] for k in sorted(values[oid])] if oid in values else None,
+                    "distributions": distributions.get(oid, {}),
+                    "user_attrs": user_attrs.get(oid, {}),
+                    "system_attrs": system_attrs.get(oid, {}),
+                }
+            )
+        )
     return out
 
 
@@ -191,21 +205,21 @@ def study_outs(session: Session, studies: Sequence[Study]) -> list[StudyOut]:
 
     counts: dict[int, dict[str, int]] = defaultdict(dict)
     for study_id, state, n in session.execute(
-        select(Trial.study_id, Trial.state, func.count()).where(Trial.study_id.in_(ids)).group_by(Trial.study_id, Trial.state)
+        select(Trial.study_id, Trial.state, func.count()).where(_among(session, Trial.study_id, ids)).group_by(Trial.study_id, Trial.state)
     ):
         counts[study_id][TrialState(state).value] = n
 
     sd = rdb.StudyDirectionModel
     directions: dict[int, dict[int, StudyDirection]] = defaultdict(dict)
     for study_id, objective, direction in session.execute(
-        select(sd.study_id, sd.objective, sd.direction).where(sd.study_id.in_(optuna_ids))
+        select(sd.study_id, sd.objective, sd.direction).where(_among(session, sd.study_id, optuna_ids))
     ):
         directions[study_id][objective] = direction
     user_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
     system_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
     for model, into in ((rdb.StudyUserAttributeModel, user_attrs), (rdb.StudySystemAttributeModel, system_attrs)):
         for study_id, key, value_json in session.execute(
-            select(model.study_id, model.key, model.value_json).where(model.study_id.in_(optuna_ids))
+            select(model.study_id, model.key, model.value_json).where(_among(session, model.study_id, optuna_ids))
         ):
             into[study_id][key] = json.loads(value_json)
 
@@ -249,7 +263,7 @@ def _best_trials(session: Session, studies: Sequence[Study]) -> dict[int, BestTr
 
     best_id = case((Study.direction == "maximize", best(True)), else_=best(False)).label("best_id")
     picked = (
-        select(Study.id.label("study_id"), best_id).where(Study.id.in_([s.id for s in studies])).subquery()
+        select(Study.id.label("study_id"), best_id).where(_among(session, Study.id, [s.id for s in studies])).subquery()
     )
     rows = session.execute(
         select(picked.c.study_id, Trial.number, Trial.value, Trial.params).join(Trial, Trial.id == picked.c.best_id)

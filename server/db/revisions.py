@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import event, func, insert, select, update
+from sqlalchemy import BigInteger, any_, event, func, insert, literal, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import ORMExecuteState, Session, UOWTransaction
 
 from .models import Revision, Trial
@@ -72,11 +73,15 @@ def touch_trials(session: Session, trial_ids: Iterable[int]) -> None:
     """Stamp these trials (fusetune ids) as changed in this transaction, e.g. because
     their Optuna trials got intermediate values or attrs."""
     ids = sorted(set(trial_ids))
-    if ids:
-        session.execute(
-            update(Trial).where(Trial.id.in_(ids)).values(revision=next_revision(session)),
-            execution_options={"synchronize_session": False},
-        )
+    if not ids:
+        return
+    revision = next_revision(session)
+    connection = session.connection()  # Core: no ORM bookkeeping, the loop's hot path
+    if connection.dialect.name == "postgresql":  # one array parameter, not one per id
+        which = _trials.c.id == any_(literal(ids, ARRAY(BigInteger)))
+    else:
+        which = _trials.c.id.in_(ids)
+    connection.execute(update(_trials).where(which).values(revision=revision))
 
 
 @event.listens_for(Session, "before_flush")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import entry_points
+from functools import lru_cache
+from importlib.metadata import EntryPoint, entry_points
 
 from ._base import Workload
 from ._digits import DIGITS_CNN, DIGITS_MLP
@@ -27,8 +28,16 @@ def register_workload(workload: Workload) -> Workload:
     return workload
 
 
+@lru_cache(maxsize=1)
+def _entry_points() -> tuple[EntryPoint, ...]:
+    """The group's entry points, read once per process: scanning every installed
+    distribution's metadata takes milliseconds, and listing a page of studies asks once per
+    study. A package installed later is seen after a restart."""
+    return tuple(entry_points(group=ENTRY_POINT_GROUP))
+
+
 def _from_entry_points(name: str) -> Workload | None:
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in _entry_points():
         if ep.name == name:
             return _check(ep.load(), name)
     return None
@@ -82,4 +91,4 @@ def get_workload(name: str, *, allow_imports: bool = True) -> Workload:
 
 def available_workloads() -> list[str]:
     """Names of the built-in, registered and entry-point workloads."""
-    return sorted(set(_registered) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+    return sorted(set(_registered) | {ep.name for ep in _entry_points()})
