@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NoReturn, TypeVar
@@ -106,6 +107,9 @@ def decode_cursor(cursor: str, sort: str, types: Sequence[type | tuple[type, ...
     if len(key) != len(types) or not all(
         isinstance(k, t) and not (isinstance(k, bool) and bool not in _tuple(t)) for k, t in zip(key, types)
     ):
+        invalid_cursor()
+    # What the database can compare: 64-bit integers, finite floats.
+    if any((type(k) is int and not -(2**63) <= k < 2**63) or (isinstance(k, float) and not math.isfinite(k)) for k in key):
         invalid_cursor()
     return key
 

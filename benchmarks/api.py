@@ -1,0 +1,567 @@
+"""Reads and ingestion of the REST API at 100,000 trials, on PostgreSQL.
+
+    python benchmarks/api.py                      # the base URL: $FUSETUNE_TEST_POSTGRES_URL, else local postgres
+    python benchmarks/api.py --trials 20000 --duration 10 --json out.json
+
+It creates a scratch database (dropped at the end) and seeds, with bulk SQL inserts into
+Optuna's and fusetune's tables, a study of ``--trials`` trials with ``--steps`` intermediate
+values each (the last 100 WAITING, the others COMPLETE with a value), an ingestion study of
+``--ingest-arrays`` arrays of 64 running trials, and ``--reporters`` live studies of one
+running array each. It starts the real server (uvicorn, two worker processes, the API only:
+``create_app(schedule=False)``) and measures:
+
+1. ``first page``: ``GET /studies/{big}/trials`` (100 trials with their values, params and
+   curves), one request at a time; the same page sorted by value and one deep in the study.
+2. ``updated_since poll``: 100 trials of the big study start in an array (the writes the
+   scheduling loop's dispatch makes, one transaction); ``GET ...?updated_since=<the revision
+   before>`` must return exactly those 100, and is timed.
+3. ``ingestion``: real ``EpochReport`` objects (``workers/spec.py``) recorded by the
+   coordinator's ``_record_epoch``, one transaction per array-epoch, as the scheduling loop
+   records what workers stream to it (no Ray here: the ``EpochReply`` that would go back to
+   the worker is dropped). Metric points (one member's value at one epoch) per second.
+4. ``concurrent``: ``--pollers`` HTTP pollers (httpx async, in a process of their own) each
+   following one live study with ``updated_since`` every ``--poll-interval`` s, while
+   ``--reporters`` threads each send an array-epoch of ``--array-size`` members every
+   ``--report-interval`` s to one coordinator thread (the scheduling loop's one writer).
+   Every poller's view must end equal to the study's full listing.
+
+Nothing asserts a speed: the table says what was measured against the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import queue
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_BASE = os.environ.get("FUSETUNE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+TARGETS = {"first page": ("p99", "<=", 100.0), "updated_since poll": ("p99", "<=", 50.0),
+           "ingestion": ("points/s", ">=", 10_000.0), "concurrent pollers": ("p99", "<=", 200.0)}
+LR = '{"name": "FloatDistribution", "attributes": {"step": null, "low": 0.001, "high": 0.3, "log": true}}'
+HIDDEN = '{"name": "CategoricalDistribution", "attributes": {"choices": [16, 32]}}'
+
+
+def server_app() -> Any:
+    """The uvicorn factory of the benchmark's server: the real app, API only."""
+    from fusetune.server.app import create_app
+    from fusetune.server.settings import get_settings
+
+    return create_app(get_settings(), schedule=False)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))] if ordered else float("nan")
+
+
+def summary(latencies_s: list[float]) -> dict[str, float]:
+    ms = [x * 1000 for x in latencies_s]
+    return {"n": len(ms), "p50": percentile(ms, 50), "p95": percentile(ms, 95), "p99": percentile(ms, 99), "max": max(ms, default=float("nan"))}
+
+
+# -- seeding -------------------------------------------------------------------------------------
+def create_studies(url: str, names: list[str], n_trials: int) -> dict[str, tuple[int, int]]:
+    """Studies through the service (as POST /studies makes them): name -> (fusetune id, Optuna id)."""
+    from fusetune.server import service
+    from fusetune.server.db import Study, get_sessionmaker
+    from fusetune.server.schemas import StudyCreate
+
+    space = {"lr": json.loads(LR), "hidden": json.loads(HIDDEN)}
+    out = {}
+    with get_sessionmaker(url)() as session:
+        for name in names:
+            created = service.create_study(
+                session, url,
+                StudyCreate(workload="digits-mlp", n_trials=n_trials, epochs=100, name=name, search_space=space,
+                            sampler={"name": "RandomSampler", "kwargs": {"seed": 0}}, fusion_sampler=False),
+            )
+            out[name] = (created.id, session.get(Study, created.id).optuna_study_id)
+    return out
+
+
+def seed_trials(conn: Any, study: tuple[int, int], n: int, steps: int, waiting: int, state_of_rest: str) -> None:
+    """``n`` trials of a study in one go of INSERT ... SELECT: Optuna's trials, params (lr, hidden),
+    values (COMPLETE ones), ``steps`` intermediate values each, and fusetune's rows (revision 1).
+    The last ``waiting`` are WAITING (RUNNING in Optuna, as the service asks them)."""
+    from sqlalchemy import text
+
+    ft_id, optuna_id = study
+    p = {"sid": optuna_id, "ft": ft_id, "n": n, "w": n - waiting, "steps": steps, "lr": LR, "hidden": HIDDEN, "rest": state_of_rest}
+    conn.execute(text(
+        "INSERT INTO trials (number, study_id, state, datetime_start, datetime_complete) "
+        "SELECT g, :sid, (CASE WHEN g >= :w OR :rest <> 'COMPLETE' THEN 'RUNNING' ELSE 'COMPLETE' END)::trialstate, "
+        "now(), CASE WHEN g >= :w OR :rest <> 'COMPLETE' THEN NULL ELSE now() END FROM generate_series(0, :n - 1) g"), p)
+    conn.execute(text(
+        "INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json) "
+        "SELECT trial_id, 'lr', 0.001 + (number % 997) / 997.0 * 0.29, :lr FROM trials WHERE study_id = :sid"), p)
+    conn.execute(text(
+        "INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json) "
+        "SELECT trial_id, 'hidden', number % 2, :hidden FROM trials WHERE study_id = :sid"), p)
+    conn.execute(text(
+        "INSERT INTO trial_values (trial_id, objective, value, value_type) "
+        "SELECT trial_id, 0, round((0.5 + (hashtext(trial_id::text) & 1023) / 2048.0)::numeric, 4), 'FINITE' "
+        "FROM trials WHERE study_id = :sid AND state = 'COMPLETE'"), p)
+    if steps:
+        conn.execute(text(
+            "INSERT INTO trial_intermediate_values (trial_id, step, intermediate_value, intermediate_value_type) "
+            "SELECT t.trial_id, s, 0.3 + 0.05 * s + (hashtext(t.trial_id::text || s::text) & 255) / 10000.0, 'FINITE' "
+            "FROM trials t CROSS JOIN generate_series(0, :steps - 1) s WHERE t.study_id = :sid"), p)
+    conn.execute(text(
+        "INSERT INTO ft_trials (study_id, optuna_trial_id, number, params, signature, state, value, created_at, "
+        "started_at, completed_at, revision) "
+        "SELECT :ft, t.trial_id, t.number, json_build_object('lr', lr.param_value, 'hidden', CASE WHEN h.param_value = 0 THEN 16 ELSE 32 END), "
+        "'sig-' || (h.param_value::int)::text, CASE WHEN t.number >= :w THEN 'WAITING' ELSE :rest END, v.value, now(), "
+        "CASE WHEN t.number >= :w THEN NULL ELSE now() END, t.datetime_complete, 1 "
+        "FROM trials t JOIN trial_params lr ON lr.trial_id = t.trial_id AND lr.param_name = 'lr' "
+        "JOIN trial_params h ON h.trial_id = t.trial_id AND h.param_name = 'hidden' "
+        "LEFT JOIN trial_values v ON v.trial_id = t.trial_id AND v.objective = 0 WHERE t.study_id = :sid"), p)
+
+
+def arrays_of(url: str, study_id: int, size: int, count: int, *, start: bool) -> list[tuple[int, dict[int, int]]]:
+    """``count`` arrays of ``size`` of the study's trials, each {trial id: Optuna trial id}; with
+    ``start`` the trials start in them as the scheduling loop's dispatch writes it (one transaction)."""
+    from sqlalchemy import select
+
+    from fusetune.server.db import Array, ArrayMember, Trial, TrialState, get_sessionmaker, utcnow
+
+    out = []
+    with get_sessionmaker(url)() as session:
+        trials = session.scalars(
+            select(Trial).where(Trial.study_id == study_id, Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
+            .order_by(Trial.number).limit(size * count)
+        ).all()
+        for k in range(count):
+            members = trials[k * size:(k + 1) * size]
+            array = Array(study_id=study_id, signature=members[0].signature, members=[ArrayMember(slot=i, trial_id=t.id) for i, t in enumerate(members)])
+            session.add(array)
+            session.flush()
+            if start:
+                now = utcnow()
+                for t in members:
+                    t.array_id, t.state, t.started_at = array.id, TrialState.RUNNING, now
+            out.append((array.id, {t.id: t.optuna_trial_id for t in members}))
+        session.commit()
+    return out
+
+
+# -- the coordinator's recording path ------------------------------------------------------------
+class Recorder:
+    """The scheduling loop's one writer of results, as workers' reports reach it."""
+
+    def __init__(self, url: str, studies: dict[int, str], tenant: str = "default") -> None:
+        from fusetune.server.coordinator import Coordinator
+        from fusetune.server.db import Study, get_sessionmaker
+        from fusetune.server.settings import Settings
+
+        from fusetune.workers.pool import WorkerPool
+
+        # No Ray here: a pool that has started no worker (WorkerPool.__init__ would look for
+        # devices). The recording path only counts its workers; replies are not sent.
+        pool = WorkerPool.__new__(WorkerPool)
+        pool.workers = []
+        self.coordinator = Coordinator(Settings(database_url=url), pool)
+        self.sessions = get_sessionmaker(url)
+        self.tenant = tenant
+        self.workers: dict[int, Any] = {}
+        self.steps: dict[int, int] = {}
+        self.mirror_load_s: dict[int, float] = {}
+        with self.sessions() as session:
+            for study_id in studies:
+                started = time.perf_counter()
+                self.coordinator._mirror_of(session, study_id)  # loaded once per process, as the loop does
+                self.mirror_load_s[study_id] = time.perf_counter() - started
+                session.get(Study, study_id)
+
+    def add_array(self, study_id: int, study_name: str, array_id: int, members: dict[int, int], first_step: int = 0) -> None:
+        from fusetune.server.coordinator import _Live
+        from fusetune.workers.pool import WorkerHandle
+        from fusetune.workers.spec import ArraySpec, MemberSpec
+
+        spec = ArraySpec(
+            array_id=array_id, signature=f"sig@{study_id}", study_name=study_name, workload="digits-mlp", epochs=100,
+            members=tuple(MemberSpec(t, o, 0, {}) for t, o in members.items()), prunes=False,
+        )
+        self.coordinator._live[array_id] = _Live(study_id=study_id, optuna_ids=dict(members), tenant=self.tenant)
+        self.workers[array_id] = WorkerHandle(name=f"bench-{array_id}", device_type="cpu", num_threads=1, actor=None, spec=spec)
+        self.steps[array_id] = first_step
+
+    def report(self, array_id: int) -> Any:
+        """The next epoch of one array, as its worker would stream it."""
+        from fusetune.workers.spec import EpochReport, MemberReport
+
+        step = self.steps[array_id]
+        self.steps[array_id] += 1
+        members = self.coordinator._live[array_id].optuna_ids
+        return EpochReport(
+            array_id=array_id,
+            members=tuple(MemberReport(t, step, 0.5 + 0.4 * (1 - 1 / (step + 2)) + (t % 7) / 1000) for t in members),
+            size=len(members), member_steps=len(members) * 23, train_seconds=0.05, timings={"train_s": 0.05, "eval_s": 0.01},
+        )
+
+    def record(self, report: Any) -> None:
+        self.coordinator._record_epoch(self.workers[report.array_id], report)
+
+
+# -- the pollers' process ------------------------------------------------------------------------
+async def _pollers(url: str, token: str, studies: list[int], n: int, interval: float, duration: float) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    latencies: list[float] = []
+    errors: list[str] = []
+    pollers: list[dict[str, Any]] = []  # each: its study, its view of the trials, its revision
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, limits=limits, timeout=30) as http:
+
+        async def poll(study: int, since: int, view: dict[int, dict[str, Any]], timed: bool) -> int:
+            next_url: str | None = f"/api/v1/studies/{study}/trials"
+            params: dict[str, Any] | None = {"updated_since": since, "limit": 1000}
+            while next_url is not None:
+                started = time.perf_counter()
+                response = await http.get(next_url, params=params)
+                if timed:
+                    latencies.append(time.perf_counter() - started)
+                if response.status_code != 200:
+                    errors.append(f"{response.status_code}: {response.text[:100]}")
+                    return since
+                for row in response.json():
+                    view[row["id"]] = row
+                    since = max(since, row["revision"])
+                next_url, params = response.links.get("next", {}).get("url"), None
+            return since
+
+        async def one(i: int) -> None:
+            me = {"study": studies[i % len(studies)], "view": {}, "since": 0}
+            pollers.append(me)
+            await asyncio.sleep(interval * i / n)  # spread over one interval
+            stop = time.monotonic() + duration
+            while time.monotonic() < stop:
+                started = time.monotonic()
+                try:
+                    me["since"] = await poll(me["study"], me["since"], me["view"], timed=True)
+                except Exception as exc:  # a refused or dropped connection counts as an error
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+        started = time.monotonic()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.monotonic() - started
+        # The parent says when the reporters have stopped and their last reports are committed.
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        # Every poller's view, brought up to date by one more poll, is the study's full listing.
+        mismatches = 0
+        listings: dict[int, dict[int, dict[str, Any]]] = {}
+        for me in pollers:
+            await poll(me["study"], me["since"], me["view"], timed=False)
+            if me["study"] not in listings:
+                listings[me["study"]] = {}
+                await poll(me["study"], 0, listings[me["study"]], timed=False)
+            mismatches += me["view"] != listings[me["study"]]
+    return {"latencies": latencies, "errors": errors, "mismatches": mismatches, "wall_s": wall}
+
+
+# -- the run -------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timed_gets(http: Any, path: str, n: int, params: dict[str, Any] | None = None, check: Any = None) -> list[float]:
+    for _ in range(10):  # warm: connections, plans, caches
+        http.get(path, params=params).raise_for_status()
+    out = []
+    for _ in range(n):
+        started = time.perf_counter()
+        response = http.get(path, params=params)
+        out.append(time.perf_counter() - started)
+        response.raise_for_status()
+        if check is not None:
+            check(response)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from fusetune.server import tenants
+    from fusetune.server.db import get_engine, get_optuna_storage, get_sessionmaker, upgrade
+    from fusetune.server.db.revisions import current_revision
+
+    name = f"fusetune_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(args.base_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(args.base_url).set(database=name).render_as_string(hide_password=False)
+    server = pollers = None
+    results: dict[str, Any] = {"trials": args.trials, "steps": args.steps}
+    try:
+        upgrade(url)
+        get_optuna_storage(url)
+        live_names = [f"live-{k}" for k in range(args.reporters)]
+        studies = create_studies(url, ["big", "ingest", *live_names], 100_000)
+        started = time.perf_counter()
+        with get_engine(url).begin() as conn:
+            seed_trials(conn, studies["big"], args.trials, args.steps, waiting=100, state_of_rest="COMPLETE")
+            seed_trials(conn, studies["ingest"], args.ingest_arrays * 64, 0, waiting=args.ingest_arrays * 64, state_of_rest="RUNNING")
+            for live in live_names:
+                seed_trials(conn, studies[live], args.array_size, 0, waiting=args.array_size, state_of_rest="RUNNING")
+        with create_engine(url, isolation_level="AUTOCOMMIT").connect() as conn:
+            conn.execute(text("VACUUM ANALYZE"))
+        results["seed_s"] = time.perf_counter() - started
+        print(f"seeded {args.trials} trials x {args.steps} values in {results['seed_s']:.1f} s", flush=True)
+
+        with get_sessionmaker(url)() as session:
+            token = tenants.create_token(session, "default", "benchmark").token
+        port = free_port()
+        env = {**os.environ, "FUSETUNE_DATABASE_URL": url}
+        server = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--factory", "benchmarks.api:server_app", "--host", "127.0.0.1",
+             "--port", str(port), "--workers", str(args.server_workers), "--log-level", "warning", "--no-access-log"],
+            cwd=ROOT, env=env,
+        )
+        base = f"http://127.0.0.1:{port}"
+        http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if http.get("/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.2)
+        big = studies["big"][0]
+
+        # 1. The first page of a 100k-trial study, and two others.
+        path = f"/api/v1/studies/{big}/trials"
+        results["first page"] = summary(timed_gets(http, path, args.requests, check=lambda r: len(r.json()) == 100 or sys.exit("short page")))
+        results["first page, sort=-value&state=COMPLETE"] = summary(timed_gets(http, path, args.requests // 2, {"sort": "-value", "state": "COMPLETE"}))
+        results["a page in the middle of the study"] = summary(timed_gets(http, path, args.requests // 2, {"after": _cursor_at(args.trials // 2)}))
+        results["GET /studies (52 studies, counts + best in SQL)"] = summary(timed_gets(http, "/api/v1/studies", args.requests // 2))
+
+        # 2. 100 trials start in an array; a poll returns exactly them.
+        with get_sessionmaker(url)() as session:
+            before = current_revision(session)
+        ((_, started_ids),) = arrays_of(url, big, 100, 1, start=True)
+
+        def exactly_the_started(response: Any) -> None:
+            got = {row["id"] for row in response.json()}
+            if got != set(started_ids) or "link" in response.headers:
+                sys.exit(f"updated_since returned {len(got)} trials, not the 100 that changed")
+
+        results["updated_since poll"] = summary(timed_gets(http, path, args.requests, {"updated_since": before}, check=exactly_the_started))
+
+        # 3. Ingestion through the coordinator's recording path.
+        ingest_id = studies["ingest"][0]
+        ingest_arrays = arrays_of(url, ingest_id, 64, args.ingest_arrays, start=True)
+        recorder = Recorder(url, {ingest_id: "ingest"})
+        for array_id, members in ingest_arrays:
+            recorder.add_array(ingest_id, "ingest", array_id, members)
+        rounds = [ingest(recorder, ingest_arrays, args.ingest_epochs) for _ in range(args.ingest_rounds)]
+        points = sum(r["points"] for r in rounds)
+        with get_engine(url).connect() as conn:
+            stored = conn.execute(text(
+                "SELECT count(*) FROM trial_intermediate_values v JOIN ft_trials t ON t.optuna_trial_id = v.trial_id "
+                "WHERE t.study_id = :s"), {"s": ingest_id}).scalar_one()
+        if stored != points:
+            raise RuntimeError(f"{stored} intermediate values stored, {points} reported")
+        best = max(rounds, key=lambda r: r["points/s"])
+        results["ingestion"] = {**best, "rounds points/s": [round(r["points/s"]) for r in rounds]}
+        if args.breakdown:  # where an array-epoch's time goes: NOT the product path, parts switched off
+            import fusetune.server.coordinator as coordinator_module
+            import fusetune.server.events as events_module
+
+            record, touch = events_module.record, coordinator_module.touch_trials
+            for label, off in (("without ft_events rows", "events"), ("without the revision touch", "touch"),
+                               ("without both", "both")):
+                if off in ("events", "both"):
+                    events_module.record = lambda *a, **k: None
+                if off in ("touch", "both"):
+                    coordinator_module.touch_trials = lambda *a, **k: None
+                try:
+                    runs = [ingest(recorder, ingest_arrays, args.ingest_epochs) for _ in range(args.ingest_rounds)]
+                finally:
+                    events_module.record, coordinator_module.touch_trials = record, touch
+                results[f"ingestion {label}"] = max(runs, key=lambda r: r["points/s"])
+
+        # 4. Pollers and reporters at once.
+        live_ids = {studies[n][0]: n for n in live_names}
+        live = Recorder(url, live_ids)
+        for study_id, study_name in live_ids.items():
+            ((array_id, members),) = arrays_of(url, study_id, args.array_size, 1, start=True)
+            live.add_array(study_id, study_name, array_id, members)
+        child = [sys.executable, str(Path(__file__).resolve()), "--pollers-child", "--url", base, "--token", token,
+                 "--studies", ",".join(map(str, live_ids)), "--pollers", str(args.pollers),
+                 "--poll-interval", str(args.poll_interval), "--duration", str(args.duration)]
+        pollers = subprocess.Popen(child, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        inbox: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
+        waits: list[float] = []
+        stop = threading.Event()
+
+        def writer() -> None:  # the scheduling loop's thread: reports in the order they came
+            while (item := inbox.get()) is not None:
+                live.record(item[0])
+                waits.append(time.perf_counter() - item[1])
+
+        def reporter(k: int, array_id: int) -> None:
+            time.sleep(args.report_interval * k / max(1, len(live.workers)))
+            while not stop.is_set():
+                inbox.put((live.report(array_id), time.perf_counter()))
+                stop.wait(args.report_interval)
+
+        threads = [threading.Thread(target=writer)] + [
+            threading.Thread(target=reporter, args=(k, a)) for k, a in enumerate(live.workers)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(args.duration)
+        stop.set()
+        for t in threads[1:]:
+            t.join()
+        inbox.put(None)
+        threads[0].join()
+        out, _ = pollers.communicate("recorded\n", timeout=600)
+        polled = json.loads(out.strip().splitlines()[-1])
+        results["concurrent pollers"] = {**summary(polled["latencies"]), "errors": len(polled["errors"]),
+                                         "first errors": polled["errors"][:3], "views != listing": polled["mismatches"],
+                                         "polls/s": len(polled["latencies"]) / polled["wall_s"]}
+        results["concurrent reporters"] = {**summary(waits), "reports": len(waits),
+                                           "points/s": len(waits) * args.array_size / args.duration}
+        http.close()
+    finally:
+        for proc in (pollers, server):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        get_engine(url).dispose()
+        get_optuna_storage.cache_clear()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+    return results
+
+
+def ingest(recorder: Recorder, arrays: list[tuple[int, dict[int, int]]], epochs: int) -> dict[str, Any]:
+    """``epochs`` array-epochs of every array, in turn, through the coordinator's recording path."""
+    transactions = []
+    started = time.perf_counter()
+    for _ in range(epochs):
+        for array_id, _ in arrays:
+            report = recorder.report(array_id)
+            t0 = time.perf_counter()
+            recorder.record(report)
+            transactions.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - started
+    points = sum(len(members) for _, members in arrays) * epochs
+    txn = summary(transactions)
+    return {"points": points, "transactions": len(transactions), "wall_s": wall, "points/s": points / wall,
+            "txn p50": txn["p50"], "txn p99": txn["p99"]}
+
+
+def _cursor_at(number: int) -> str:
+    from fusetune.server.pagination import encode_cursor
+
+    return encode_cursor("number", [number, 0])
+
+
+def machine() -> str:
+    cpus = os.cpu_count()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{model}, {cpus} cores, load average {load:.2f} at the start; Python {platform.python_version()}"
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [f"{'measure':<48} {'n':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}  target"]
+    lines.append("-" * len(lines[0]) + "-" * 20)
+    for key, value in results.items():
+        if not isinstance(value, dict) or "p99" not in value:
+            continue
+        target = TARGETS.get(key)
+        verdict = ""
+        if target and target[0] == "p99":
+            verdict = f"p99 {target[1]} {target[2]:.0f} ms: {'met' if value['p99'] <= target[2] else 'NOT met'}"
+        lines.append(f"{key:<48} {value['n']:>6} {value['p50']:>8.1f} {value['p95']:>8.1f} {value['p99']:>8.1f} {value['max']:>8.1f}  {verdict}")
+    ingestion = results.get("ingestion")
+    if ingestion:
+        ok = "met" if ingestion["points/s"] >= TARGETS["ingestion"][2] else "NOT met"
+        lines.append(
+            f"ingestion (best of rounds {ingestion['rounds points/s']} points/s): {ingestion['points']} points in "
+            f"{ingestion['transactions']} array-epoch transactions of 64 members, {ingestion['wall_s']:.2f} s: "
+            f"{ingestion['points/s']:,.0f} points/s (txn p50 {ingestion['txn p50']:.1f} ms, p99 {ingestion['txn p99']:.1f} ms)"
+            f"  target >= 10,000 points/s: {ok}"
+        )
+    for key, value in results.items():
+        if key.startswith("ingestion without"):
+            lines.append(f"  breakdown, {key[len('ingestion '):]} (not the product path): {value['points/s']:,.0f} points/s, "
+                         f"txn p50 {value['txn p50']:.1f} ms")
+    polled = results.get("concurrent pollers")
+    if polled:
+        lines.append(
+            f"concurrent: {polled['polls/s']:.0f} polls/s, {polled['errors']} errors, {polled['views != listing']} poller views "
+            f"differing from the full listing at the end; reporters wrote {results['concurrent reporters']['points/s']:,.0f} points/s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default=DEFAULT_BASE, help="a PostgreSQL server (any database): the scratch database is made there")
+    parser.add_argument("--trials", type=int, default=100_000)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--requests", type=int, default=300, help="timed requests of each read")
+    parser.add_argument("--ingest-arrays", type=int, default=16)
+    parser.add_argument("--ingest-epochs", type=int, default=20)
+    parser.add_argument("--ingest-rounds", type=int, default=3, help="ingestion rounds; the best is the result, all are shown")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also ingest with the ft_events rows and/or the revision touch switched off, to show their cost")
+    parser.add_argument("--pollers", type=int, default=200)
+    parser.add_argument("--poll-interval", type=float, default=2.0)
+    parser.add_argument("--reporters", type=int, default=50)
+    parser.add_argument("--report-interval", type=float, default=1.0)
+    parser.add_argument("--array-size", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--server-workers", type=int, default=2)
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--pollers-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--token", help=argparse.SUPPRESS)
+    parser.add_argument("--studies", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.pollers_child:
+        studies = [int(s) for s in args.studies.split(",")]
+        out = asyncio.run(_pollers(args.url, args.token, studies, args.pollers, args.poll_interval, args.duration))
+        print(json.dumps(out))
+        return 0
+    about = machine()
+    print(about, flush=True)
+    results = run(args)
+    results["machine"] = about
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
