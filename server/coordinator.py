@@ -55,6 +55,7 @@ from fusetune.server.db import (
     utcnow,
 )
 from fusetune.server import events
+from fusetune.server.lifecycle import STOPPING, StudyLifecycle
 from fusetune.server.db.revisions import touch_trials
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
@@ -203,7 +204,7 @@ def _class_of(trial: Trial) -> str:
     return f"{trial.signature}@{trial.study_id}"
 
 
-class Coordinator:
+class Coordinator(StudyLifecycle):
     """Drives every running study to completion on a :class:`~workers.pool.WorkerPool`.
 
     It is the control plane's one writer of trial results: workers send it one
@@ -247,6 +248,8 @@ class Coordinator:
         # which alone touches the mirrors.
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._awaiting: dict[int, _Awaiting] = {}  # array id -> its epoch waiting for a client
+        self._halting: dict[int, StudyState] = {}  # paused or stopping studies: their members leave (lifecycle.py)
+        self._leaving: dict[int, set[int]] = {}  # array id -> members asked to leave it
         #: Array-epoch reports recorded by this process (GET /metrics: fusetune_epoch_reports_total).
         self.reports_ingested = 0
         self._next_prune = 0.0  # when old events are pruned next (monotonic)
@@ -350,6 +353,7 @@ class Coordinator:
         if time.monotonic() >= self._next_prune:
             self._prune_events()
         self._handle(self.pool.wait(0))
+        self._settle()  # cancelled, failed and deleted studies: end what can end
         with self.sessions() as session:
             studies = session.scalars(
                 select(Study).where(Study.state == StudyState.RUNNING).order_by(Study.id)
@@ -481,7 +485,7 @@ class Coordinator:
             select(func.count()).where(Trial.study_id == study.id, Trial.state == TrialState.WAITING)
         )
         wanted = min(study.n_trials - asked, (self.settings.ask_batch or self._capacity()) - waiting)
-        if wanted <= 0:
+        if wanted <= 0 or not self._workload_loads(session, study):
             return
         try:
             self._ask_into(session, study, wanted)
@@ -515,6 +519,7 @@ class Coordinator:
         """
         with self.sessions() as session:
             study = session.get(Study, study_id)
+            self._check_askable(session, study)
             asked = session.scalar(select(func.count()).where(Trial.study_id == study.id))
             if asked >= study.n_trials:
                 raise Conflict("n_trials", f"study {study.id} has asked all its n_trials={study.n_trials} trials")
@@ -522,7 +527,7 @@ class Coordinator:
             try:
                 mirror.study.enqueue_trial(dict(params), user_attrs=dict(user_attrs), skip_if_exists=False)
                 (row,) = self._ask_into(session, study, 1)
-                if study.state != StudyState.RUNNING:  # more trials for a study that had ended
+                if study.state == StudyState.COMPLETE:  # more trials for a study that had ended
                     study.state, study.completed_at = StudyState.RUNNING, None
                 session.commit()
             except Exception:
@@ -813,6 +818,8 @@ class Coordinator:
                         mirror.tell(session, trial_id, OptunaState.FAIL)
                         _finish(session, member.trial_id, TrialState.FAIL, now, error=member.error, event=where)
                         ended.append(member.trial_id)
+                    elif member.trial_id in report.released or self._halting.get(live.study_id) in STOPPING:
+                        continue  # leaving at this boundary (its next array decides), or at the next: its study stops
                     elif client_decides:
                         awaiting[member.trial_id] = member.step
                     elif mirror.should_prune(session, trial_id):
@@ -820,7 +827,8 @@ class Coordinator:
                         _finish(session, member.trial_id, TrialState.PRUNED, now, value=member.value, event=where)
                         prune.add(member.trial_id)
                         ended.append(member.trial_id)
-                if report.released:  # preempted: waits for its next array, Optuna keeps it RUNNING
+                if report.released and not self._stop_report(session, mirror, live, report, now):
+                    # preempted or paused: waits for its next array, Optuna keeps it RUNNING
                     session.execute(
                         update(Trial)
                         .where(Trial.id.in_(report.released))
@@ -846,6 +854,7 @@ class Coordinator:
                 self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
                 live.epochs_done, live.timings, live.checkpoints = before  # so that a retry writes the same
                 raise
+        self._release_halted(worker, live, report, prune)
         if awaiting:
             self._awaiting[report.array_id] = _Awaiting(worker, awaiting)
             return None
@@ -1044,6 +1053,8 @@ class Coordinator:
         log.info("array %d ended: %s", spec.array_id, array.state.value)
 
     def _maybe_complete(self, session: Session, study: Study) -> None:
+        if study.state != StudyState.RUNNING:  # it failed in this step (its workload)
+            return
         counts = dict(
             session.execute(
                 select(Trial.state, func.count()).where(Trial.study_id == study.id).group_by(Trial.state)
@@ -1052,6 +1063,7 @@ class Coordinator:
         finished = sum(n for state, n in counts.items() if state.is_finished)
         if sum(counts.values()) >= study.n_trials and finished == sum(counts.values()):
             study.state, study.completed_at = StudyState.COMPLETE, utcnow()
+            self._fail_if_every_trial_failed(session, study, counts)
             events.record(session, "study.completed", tenant=study.tenant, study_id=study.id, trial_counts={s.value: n for s, n in counts.items()})
             session.commit()
             self._mirrors.pop(study.id, None)

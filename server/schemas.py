@@ -116,6 +116,8 @@ class PrunerSpec(ComponentSpec):
 
 #: The Optuna study system attr that holds a study's training settings (``TrainingSpec.to_json``).
 TRAINING_ATTR = "fusetune:training"
+#: The Optuna study system attr that says why a study FAILED (``StudyOut.error``).
+FAILURE_ATTR = "fusetune:failure"
 
 
 def _field_error(title: str, loc: tuple[str | int, ...], message: str, value: Any) -> ValidationError:
@@ -430,9 +432,14 @@ class StudyOut(BaseModel):
     pruner: dict[str, Any] | None
     driver: Literal["service", "client"] = "service"
     max_array_size: int | None
-    state: StudyState
+    state: StudyState = Field(
+        description="RUNNING; PAUSED (POST .../resume runs it again); COMPLETE (PATCH n_trials may reopen it); "
+        "CANCELLED; FAILED (every trial failed, or its workload cannot be loaded: see `error`); DELETING "
+        "(DELETE came while arrays of it trained: it goes once they stop)."
+    )
+    error: str | None = Field(None, description="Why a FAILED study failed.")
     created_at: datetime
-    completed_at: datetime | None
+    completed_at: datetime | None = Field(description="When it ended and no trial of it ran any more.")
     trial_counts: dict[str, int] = Field(default_factory=dict)
     best_trial: BestTrial | None = Field(None, description="Single-objective studies: the best COMPLETE trial.")
     best_trials: list[BestTrial] = Field(
@@ -506,6 +513,18 @@ class ArrayOut(BaseModel):
     error: str | None
     created_at: datetime
     completed_at: datetime | None
+
+
+class StudyUpdate(BaseModel):
+    """Changes to a study (``PATCH /studies/{id}``): more trials, or fewer (never fewer than asked)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_trials: int = Field(
+        gt=0, le=100_000,
+        description="The study's new n_trials: at least the trials asked so far, within the tenant's "
+        "max_trials_per_study. A COMPLETE study given more runs again.",
+    )
 
 
 class TrialEnqueue(BaseModel):

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
 from fusetune.server.optuna_specs import make_sampler
-from fusetune.server.schemas import TRAINING_ATTR, ArrayOut, BestTrial, PruningDecision, StudyCreate, StudyOut, TrialEnqueue, TrialOut
+from fusetune.server.schemas import FAILURE_ATTR, TRAINING_ATTR, ArrayOut, BestTrial, PruningDecision, StudyCreate, StudyOut, StudyUpdate, TrialEnqueue, TrialOut
 from fusetune.workers.spec import TrainingSpec
 from fusetune.workers.workloads import available_workloads, UnknownWorkloadError, get_workload
 from fusetune.server import reads
@@ -74,24 +74,36 @@ def _tenant_for_study(session: Session, request: StudyCreate, as_tenant: str | N
         tenant = session.get(Tenant, name, with_for_update=True)
     if tenant is None:
         raise Invalid("tenant", f"tenant {name!r} does not exist")
-    if tenant.max_trials_per_study is not None and request.n_trials > tenant.max_trials_per_study:
+    check_trials_quota(tenant, request.n_trials)
+    check_running_quota(session, tenant)
+    return tenant
+
+
+def check_trials_quota(tenant: Tenant, n_trials: int) -> None:
+    """A study of ``tenant`` may have ``n_trials`` trials: Invalid naming ``n_trials`` when that
+    is over the tenant's ``max_trials_per_study``."""
+    if tenant.max_trials_per_study is not None and n_trials > tenant.max_trials_per_study:
         raise Invalid(
             "n_trials",
-            f"n_trials={request.n_trials} is over tenant {name!r}'s quota max_trials_per_study="
+            f"n_trials={n_trials} is over tenant {tenant.name!r}'s quota max_trials_per_study="
             f"{tenant.max_trials_per_study}",
         )
+
+
+def check_running_quota(session: Session, tenant: Tenant) -> None:
+    """``tenant`` may run one more study (a new one, or one that runs again): Conflict naming
+    ``max_running_studies`` when it runs as many as its quota. Lock the tenant's row first."""
     if tenant.max_running_studies is not None:
         running = session.scalar(
-            select(func.count()).select_from(Study).where(Study.tenant == name, Study.state == StudyState.RUNNING)
+            select(func.count()).select_from(Study).where(Study.tenant == tenant.name, Study.state == StudyState.RUNNING)
         )
         if running >= tenant.max_running_studies:
             raise Conflict(
                 "max_running_studies",
-                f"tenant {name!r} runs {running} studies, its quota max_running_studies="
+                f"tenant {tenant.name!r} runs {running} studies, its quota max_running_studies="
                 f"{tenant.max_running_studies}; wait for one to complete",
                 where="tenant",
             )
-    return tenant
 
 
 def create_study(
@@ -217,6 +229,7 @@ def _study_outs(session: Session, url: str, studies: Sequence[Study]) -> list[St
     one's objectives and training settings."""
     outs = reads.study_outs(session, studies)
     for study, out in zip(studies, outs, strict=True):
+        out.error = out.system_attrs.get(FAILURE_ATTR) if study.state == StudyState.FAILED else None
         _training_out(out, study, TrainingSpec.from_json(out.system_attrs.get(TRAINING_ATTR)))
     return outs
 
@@ -344,6 +357,80 @@ def decide_pruning(
     coordinator.call(lambda: coordinator.decide(trial.id, decision.step, decision.prune))
     session.expire_all()
     return get_trial(session, url, trial_id, as_tenant=as_tenant)
+
+
+def _on_loop(coordinator: Coordinator | None, what: str) -> Coordinator:
+    """The scheduling loop, which alone changes a running study's state (it owns the arrays)."""
+    if coordinator is None:
+        raise Unavailable(f"the scheduling loop is not running; a study cannot be {what} here")
+    return coordinator
+
+
+def _changed(session: Session, url: str, study_id: int, as_tenant: str | None) -> StudyOut:
+    session.rollback()  # the loop's thread changed the study: read it afresh
+    return get_study(session, url, study_id, as_tenant=as_tenant)
+
+
+def pause_study(
+    session: Session, url: str, coordinator: Coordinator | None, study_id: int, *, as_tenant: str | None = None
+) -> StudyOut:
+    """Pause a RUNNING study: nothing new is asked or started; its running members leave their
+    arrays at the next epoch boundary, checkpointed, and wait (Conflict naming ``state`` otherwise)."""
+    study = _study(session, study_id, as_tenant)
+    loop = _on_loop(coordinator, "paused")
+    loop.call(lambda: loop.pause(study.id))
+    return _changed(session, url, study_id, as_tenant)
+
+
+def resume_study(
+    session: Session, url: str, coordinator: Coordinator | None, study_id: int, *, as_tenant: str | None = None
+) -> StudyOut:
+    """Run a PAUSED study again, within its tenant's ``max_running_studies``."""
+    study = _study(session, study_id, as_tenant)
+    loop = _on_loop(coordinator, "resumed")
+    loop.call(lambda: loop.resume(study.id))
+    return _changed(session, url, study_id, as_tenant)
+
+
+def cancel_study(
+    session: Session, url: str, coordinator: Coordinator | None, study_id: int, *, as_tenant: str | None = None
+) -> StudyOut:
+    """Cancel a RUNNING or PAUSED study: it ends CANCELLED, its trials PRUNED or FAIL with the reason."""
+    study = _study(session, study_id, as_tenant)
+    loop = _on_loop(coordinator, "cancelled")
+    loop.call(lambda: loop.cancel(study.id))
+    return _changed(session, url, study_id, as_tenant)
+
+
+def update_study(
+    session: Session,
+    url: str,
+    coordinator: Coordinator | None,
+    study_id: int,
+    request: StudyUpdate,
+    *,
+    as_tenant: str | None = None,
+) -> StudyOut:
+    """Change a study's ``n_trials`` (see ``Coordinator.extend``)."""
+    study = _study(session, study_id, as_tenant)
+    loop = _on_loop(coordinator, "changed")
+    loop.call(lambda: loop.extend(study.id, request.n_trials))
+    return _changed(session, url, study_id, as_tenant)
+
+
+def delete_study(
+    session: Session, url: str, coordinator: Coordinator | None, study_id: int, *, as_tenant: str | None = None
+) -> StudyOut | None:
+    """Delete a study: its rows, its Optuna study and its artifacts. None when it is gone
+    already; else the study, DELETING until its running arrays stop at their next epoch boundary."""
+    study = _study(session, study_id, as_tenant)
+    loop = _on_loop(coordinator, "deleted")
+    if loop.call(lambda: loop.delete(study.id)):
+        return None
+    try:
+        return _changed(session, url, study_id, as_tenant)
+    except NotFound:  # its last array stopped in the meantime: gone already
+        return None
 
 
 def _trial(session: Session, trial_id: int, as_tenant: str | None = None) -> Trial:

@@ -56,8 +56,21 @@ class Base(DeclarativeBase):
 
 
 class StudyState(str, enum.Enum):
+    """A study's life: RUNNING (asking and training), PAUSED (nothing new starts), then an end.
+
+    COMPLETE: all ``n_trials`` trials ended and not every one failed. FAILED: every trial
+    failed, or the study's workload could not be loaded (the Optuna study's system attr
+    ``fusetune:failure`` says why). CANCELLED: a client cancelled it. DELETING: a client
+    deleted it while arrays of it still trained; its rows go once they have stopped. An
+    ended study's ``completed_at`` is set once no trial of it runs any more.
+    """
+
     RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
     COMPLETE = "COMPLETE"
+    CANCELLED = "CANCELLED"
+    FAILED = "FAILED"
+    DELETING = "DELETING"
 
 
 class TrialState(str, enum.Enum):

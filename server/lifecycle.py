@@ -1,0 +1,459 @@
+"""A study's life after it is created: pause and resume, cancel, delete, more trials, failure.
+
+All of it runs on the scheduling loop's thread (request threads hand it over with
+``Coordinator.call``; the loop's own steps call :meth:`StudyLifecycle._settle`), so the
+loop's view of the arrays it runs (``_live``), the arrays awaiting a client (``_awaiting``),
+the placements (``_running``) and the studies' mirrors never disagrees with the database.
+
+Members leave a running array the way preempted members do (``WorkerPool.release``): at the
+array's next epoch boundary, checkpointed. Then:
+
+* a PAUSED study's members wait again (Optuna keeps them RUNNING) and resume from their
+  checkpoints once the study is resumed; nothing of it is asked or started meanwhile;
+* a stopping study's members (CANCELLED, FAILED, DELETING) end **PRUNED** at the step they
+  left at, with the reason in ``error``: they stopped at an epoch boundary as a pruned trial
+  does, and their intermediate values are real, so Optuna's samplers and pruners weigh them
+  as they weigh pruned trials. Trials that wait outside any array end PRUNED at their last
+  reported step if they reported one (preempted or paused earlier), else **FAIL**: they
+  never trained, and Optuna records a trial interrupted before it reported, as by Ctrl-C in
+  ``optimize``, as FAIL.
+
+A stopping study's ``completed_at`` is set once none of its trials runs any more; then its
+checkpoints are removed (a DELETING study is removed whole: its rows, its Optuna study and
+its artifact folder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import optuna
+from optuna.storages._rdb import models as rdb
+from optuna.trial import TrialState as OptunaState
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from fusetune.server import events
+from fusetune.server.db import Array, ArrayMember, Study, StudyState, Tenant, Trial, TrialState, utcnow
+from fusetune.server.mirror import StudyMirror
+from fusetune.server.schemas import FAILURE_ATTR
+from fusetune.server.service import Conflict, NotFound, check_running_quota, check_trials_quota
+from fusetune.server.settings import artifact_uri
+from fusetune.workers.spec import EpochReply, EpochReport
+from fusetune.workers.store import get_store
+from fusetune.workers.workloads import get_workload
+
+if TYPE_CHECKING:
+    from fusetune.scheduler import Placement
+    from fusetune.server.coordinator import _Awaiting, _Live
+    from fusetune.server.settings import Settings
+    from fusetune.workers.pool import WorkerHandle, WorkerPool
+    from fusetune.workers.spec import TrainingSpec
+
+log = logging.getLogger(__name__)
+
+#: States in which a study's trials are ended, not trained: its running members leave their
+#: arrays at the next epoch boundary and end, its waiting trials end at once.
+STOPPING = frozenset({StudyState.CANCELLED, StudyState.FAILED, StudyState.DELETING})
+_UNFINISHED = (TrialState.WAITING, TrialState.RUNNING)
+
+
+class StudyLifecycle:
+    """The part of :class:`~fusetune.server.coordinator.Coordinator` that changes a study's state.
+
+    A mixin: it works on the coordinator's own state, declared below.
+    """
+
+    settings: Settings
+    pool: WorkerPool
+    sessions: sessionmaker[Session]
+    storage: optuna.storages.RDBStorage
+    _mirrors: dict[int, StudyMirror]
+    _training: dict[int, TrainingSpec]
+    _running: dict[str, Placement]
+    _resumes: dict[int, int]
+    _live: dict[int, _Live]
+    _awaiting: dict[int, _Awaiting]
+    #: Studies whose members must leave their arrays (PAUSED, or STOPPING), by id.
+    _halting: dict[int, StudyState]
+    #: Array id -> members asked to leave it already (so a step does not ask again).
+    _leaving: dict[int, set[int]]
+
+    if TYPE_CHECKING:
+
+        def wake(self) -> None: ...
+
+    # -- what request threads ask for (through Coordinator.call) -------------------------------
+    def pause(self, study_id: int) -> None:
+        """No new trials are asked or started; running members leave at their next epoch
+        boundary, checkpointed, and wait. Pausing a PAUSED study changes nothing.
+
+        Raises:
+            Conflict: naming ``state`` when the study is not RUNNING or PAUSED.
+        """
+        with self.sessions() as session:
+            study = _study(session, study_id)
+            if study.state == StudyState.PAUSED:
+                return
+            if study.state != StudyState.RUNNING:
+                raise Conflict(
+                    "state", f"study {study_id} is {study.state.value}; only a RUNNING study can be paused", where="study"
+                )
+            study.state = StudyState.PAUSED
+            session.commit()
+            self._halting[study_id] = StudyState.PAUSED
+            self._release_arrays(session, study_id)
+        log.info("study %d paused", study_id)
+
+    def resume(self, study_id: int) -> None:
+        """A PAUSED study runs again: its waiting trials resume from their checkpoints.
+
+        Raises:
+            Conflict: naming ``state`` when the study is not PAUSED or RUNNING, or
+                ``max_running_studies`` when its tenant already runs as many studies as that quota.
+        """
+        with self.sessions() as session:
+            study = _study(session, study_id)
+            if study.state == StudyState.RUNNING:
+                return
+            if study.state != StudyState.PAUSED:
+                raise Conflict(
+                    "state", f"study {study_id} is {study.state.value}; only a PAUSED study can be resumed", where="study"
+                )
+            check_running_quota(session, session.get(Tenant, study.tenant, with_for_update=True))
+            study.state = StudyState.RUNNING
+            session.commit()
+        self._halting.pop(study_id, None)
+        self.wake()
+        log.info("study %d resumed", study_id)
+
+    def cancel(self, study_id: int) -> None:
+        """The study ends CANCELLED: waiting trials end now, running members at their array's
+        next epoch boundary (see the module docstring). Cancelling it again changes nothing.
+
+        Raises:
+            Conflict: naming ``state`` when the study has ended otherwise (COMPLETE, FAILED) or
+                is being deleted.
+        """
+        with self.sessions() as session:
+            study = _study(session, study_id)
+            if study.state == StudyState.CANCELLED:
+                return
+            if study.state not in (StudyState.RUNNING, StudyState.PAUSED):
+                raise Conflict(
+                    "state", f"study {study_id} is {study.state.value}; it cannot be cancelled", where="study"
+                )
+            study.state = StudyState.CANCELLED
+            session.commit()
+            self._settle_study(session, study)
+        log.info("study %d cancelled", study_id)
+
+    def extend(self, study_id: int, n_trials: int) -> None:
+        """Set the study's ``n_trials``; a COMPLETE study given more trials runs again.
+
+        Raises:
+            Conflict: naming ``n_trials`` when it is below the trials asked already, ``state``
+                when the study was cancelled, failed or is being deleted, or
+                ``max_running_studies`` when a COMPLETE study would run again over that quota.
+            Invalid: naming ``n_trials`` when it is over the tenant's ``max_trials_per_study``.
+        """
+        with self.sessions() as session:
+            study = _study(session, study_id)
+            if study.state in STOPPING:
+                raise Conflict(
+                    "state", f"study {study_id} is {study.state.value}; its n_trials cannot change", where="study"
+                )
+            asked = session.scalar(select(func.count()).where(Trial.study_id == study_id))
+            if n_trials < asked:
+                raise Conflict("n_trials", f"study {study_id} has asked {asked} trials already; n_trials={n_trials} is below that")
+            tenant = session.get(Tenant, study.tenant, with_for_update=True)  # quotas: as on creation
+            check_trials_quota(tenant, n_trials)
+            reopen = study.state == StudyState.COMPLETE and n_trials > asked
+            if reopen:
+                check_running_quota(session, tenant)
+                study.state, study.completed_at = StudyState.RUNNING, None
+            study.n_trials = n_trials
+            session.commit()
+        self.wake()
+
+    def delete(self, study_id: int) -> bool:
+        """Remove the study: fusetune's rows, its Optuna study and its artifact folder.
+
+        A study with arrays still training is cancelled first (state DELETING, its trials end
+        as a cancelled study's do) and removed once they have stopped, by a later step.
+        Returns whether it is gone already.
+        """
+        with self.sessions() as session:
+            study = _study(session, study_id)
+            if study.state != StudyState.DELETING:
+                study.state = StudyState.DELETING
+                session.commit()
+            return self._settle_study(session, study)
+
+    # -- what the loop does every step ---------------------------------------------------------
+    def _settle(self) -> None:
+        """Drive every stopping study that has not settled yet one step on (see :meth:`_settle_study`).
+
+        Also after a restart: a study cancelled or deleted while the previous process ran.
+        """
+        with self.sessions() as session:
+            stopping = session.scalars(
+                select(Study).where(Study.state.in_(STOPPING), Study.completed_at.is_(None)).order_by(Study.id)
+            ).all()
+            for study in stopping:
+                self._settle_study(session, study)
+
+    def _settle_study(self, session: Session, study: Study) -> bool:
+        """End what of a stopping study can end now, ask its running members to leave, and,
+        once nothing of it runs, set ``completed_at`` (or remove a DELETING study).
+
+        Returns whether the study is gone (deleted).
+        """
+        self._halting[study.id] = study.state
+        reason = self._end_reason(study)
+        arrays = {array_id for array_id, live in self._live.items() if live.study_id == study.id}
+        now = utcnow()
+        try:
+            # A client-driven array awaiting decisions for a stopping study would wait for
+            # answers nobody owes it: its members end here, and the array goes on to stop.
+            for array_id in [a for a in self._awaiting if a in arrays]:
+                self._answer_awaiting(session, study, array_id, reason, now)
+            unfinished = session.scalars(
+                select(Trial).where(Trial.study_id == study.id, Trial.state.in_(_UNFINISHED)).order_by(Trial.number)
+            ).all()
+            outside = [t for t in unfinished if t.array_id not in arrays]
+            if outside:
+                mirror = self._stopping_mirror(study)
+                for trial in outside:
+                    values = mirror.trial(trial.optuna_trial_id).intermediate_values
+                    state = TrialState.PRUNED if values else TrialState.FAIL
+                    mirror.tell(session, trial.optuna_trial_id, OptunaState[state.value])
+                    value = values[max(values)] if values else None
+                    _end(session, trial.id, state, now, value, reason, {"tenant": study.tenant, "study_id": study.id})
+            session.commit()
+        except Exception:
+            session.rollback()
+            self._mirrors.pop(study.id, None)
+            raise
+        self._release_arrays(session, study.id, once=True)
+        if arrays:
+            return False  # it settles when its last array has stopped (its outcome recorded)
+        if study.state == StudyState.DELETING:
+            self._delete_now(session, study)
+            return True
+        self._remove_artifacts(f"{study.name}/checkpoints")  # no trial of it will resume
+        study.completed_at = now
+        counts = session.execute(select(Trial.state, func.count()).where(Trial.study_id == study.id).group_by(Trial.state))
+        events.record(
+            session, "study.completed", tenant=study.tenant, study_id=study.id,
+            trial_counts={s.value: n for s, n in counts}, state=study.state.value,
+        )
+        session.commit()
+        self._forget(study.id)
+        log.info("study %d %s: no trial of it runs any more", study.id, study.state.value)
+        return False
+
+    def _stop_report(self, session: Session, mirror: StudyMirror, live: _Live, report: EpochReport, now: Any) -> bool:
+        """In an array-epoch's transaction: end the members of a stopping study that left the
+        array at this boundary (PRUNED at their step, with the reason). Returns False (nothing
+        done) when the array's study is not stopping: they wait again, as preempted members do."""
+        state = self._halting.get(live.study_id)
+        if state not in STOPPING or not report.released:
+            return False
+        reason = self._end_reason(session.get(Study, live.study_id))
+        value = {m.trial_id: m.value for m in report.members}
+        where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
+        for trial_id in report.released:
+            mirror.tell(session, live.optuna_ids[trial_id], OptunaState.PRUNED)
+            _end(session, trial_id, TrialState.PRUNED, now, value.get(trial_id), reason, where)
+        return True
+
+    def _release_halted(self, worker: WorkerHandle, live: _Live, report: EpochReport, prune: Collection[int]) -> None:
+        """After an array-epoch of a halting study: members still going on leave at the next
+        boundary. (Newcomers that joined at this one were not members when an earlier ask came.)"""
+        if live.study_id not in self._halting:
+            return
+        going_on = [
+            m.trial_id for m in report.members
+            if m.state is None and m.trial_id not in report.released and m.trial_id not in prune
+        ]
+        if going_on:
+            self._release(worker, going_on)
+
+    def _workload_loads(self, session: Session, study: Study) -> bool:
+        """Whether the study's workload can be loaded; if not, the study ends FAILED with the error."""
+        try:
+            get_workload(study.workload)
+        except Exception as exc:  # unknown, an entry point or module that fails to import, ...
+            self._fail(session, study, f"its workload {study.workload!r} cannot be loaded: {type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def _check_askable(self, session: Session, study: Study) -> None:
+        """A trial may be enqueued into the study: Conflict naming ``state`` when it has been
+        cancelled, has failed or is being deleted (or fails now: its workload cannot be loaded)."""
+        if study.state in STOPPING or not self._workload_loads(session, study):
+            raise Conflict(
+                "state", f"study {study.id} is {study.state.value}; no more trials can be asked", where="study"
+            )
+
+    def _fail_if_every_trial_failed(self, session: Session, study: Study, counts: Mapping[TrialState, int]) -> None:
+        """A study whose trials have all ended, every one FAIL, ends FAILED, not COMPLETE
+        (in the caller's transaction)."""
+        if not counts or set(counts) != {TrialState.FAIL}:
+            return
+        first = session.scalar(
+            select(Trial.error).where(Trial.study_id == study.id, Trial.state == TrialState.FAIL).order_by(Trial.number).limit(1)
+        )
+        study.state = StudyState.FAILED
+        self._write_failure(session, study, f"every trial failed; the first: {first}")
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _fail(self, session: Session, study: Study, reason: str) -> None:
+        """The study ends FAILED with ``reason``; its trials end as a stopping study's do."""
+        study.state = StudyState.FAILED
+        self._write_failure(session, study, reason)
+        session.commit()
+        log.warning("study %d failed: %s", study.id, reason)
+        self._settle_study(session, study)
+
+    @staticmethod
+    def _write_failure(session: Session, study: Study, reason: str) -> None:
+        table = rdb.StudySystemAttributeModel.__table__
+        where = (table.c.study_id == study.optuna_study_id, table.c.key == FAILURE_ATTR)
+        session.execute(delete(table).where(*where))
+        session.execute(insert(table).values(study_id=study.optuna_study_id, key=FAILURE_ATTR, value_json=json.dumps(reason)))
+
+    def _end_reason(self, study: Study) -> str:
+        """What a trial ended by its study's state says (its ``error``)."""
+        if study.state == StudyState.FAILED:
+            failure = self.storage.get_study_system_attrs(study.optuna_study_id).get(FAILURE_ATTR)
+            return f"stopped: its study failed ({failure})"
+        if study.state == StudyState.DELETING:
+            return "cancelled: its study is being deleted"
+        return "cancelled: its study was cancelled"
+
+    def _stopping_mirror(self, study: Study) -> StudyMirror:
+        """The study's mirror, to end its trials with. A stopping study asks nothing more, so
+        when none is loaded its sampler is not built (it may not build: a workload that
+        cannot be loaded); any sampler ends trials the same."""
+        if study.id not in self._mirrors:
+            self._mirrors[study.id] = StudyMirror(
+                self.storage, study.optuna_study_id, optuna.samplers.RandomSampler(), optuna.pruners.NopPruner()
+            )
+        return self._mirrors[study.id]
+
+    def _answer_awaiting(self, session: Session, study: Study, array_id: int, reason: str, now: Any) -> None:
+        waiting = self._awaiting.pop(array_id)
+        live = self._live[array_id]
+        mirror = self._stopping_mirror(study)
+        where = {"tenant": study.tenant, "study_id": study.id, "array_id": array_id}
+        for trial_id, step in waiting.steps.items():
+            mirror.tell(session, live.optuna_ids[trial_id], OptunaState.PRUNED)
+            value = mirror.trial(live.optuna_ids[trial_id]).intermediate_values.get(step)
+            _end(session, trial_id, TrialState.PRUNED, now, value, reason, where)
+        session.commit()
+        self.pool.reply(waiting.worker, EpochReply(prune=frozenset(waiting.prune | set(waiting.steps))))
+
+    def _release_arrays(self, session: Session, study_id: int, once: bool = False) -> None:
+        """Ask every running array of the study to let its members go at the next epoch
+        boundary (those offered to it but not joined yet too); ``once``: skip members asked before."""
+        arrays = {array_id for array_id, live in self._live.items() if live.study_id == study_id}
+        for array_id in list(self._leaving):
+            if array_id not in self._live:
+                del self._leaving[array_id]  # ended
+        if not arrays:
+            return
+        members: dict[int, list[int]] = {}
+        for trial_id, array_id in session.execute(
+            select(Trial.id, Trial.array_id).where(Trial.array_id.in_(arrays), Trial.state.in_(_UNFINISHED))
+        ):
+            if not (once and trial_id in self._leaving.get(array_id, ())):
+                members.setdefault(array_id, []).append(trial_id)
+        for worker in self.pool.workers:
+            if worker.spec is not None and worker.spec.array_id in members:
+                self._release(worker, members[worker.spec.array_id])
+
+    def _release(self, worker: WorkerHandle, trial_ids: Iterable[int]) -> None:
+        ids = list(trial_ids)
+        self.pool.release(worker, ids)
+        self._leaving.setdefault(worker.spec.array_id, set()).update(ids)
+        current = self._running.get(worker.name)
+        if current is not None:  # from now on the scheduler does not count them on this device
+            self._running[worker.name] = dataclasses.replace(
+                current, trial_ids=tuple(i for i in current.trial_ids if i not in ids)
+            )
+
+    def _delete_now(self, session: Session, study: Study) -> None:
+        """Remove a DELETING study's artifacts, then its rows and its Optuna study in one transaction.
+
+        Optuna's study goes as ``optuna.delete_study`` removes it (``RDBStorage.delete_study``:
+        the study row, whose ORM cascades take its trials, params, values, intermediate
+        values, attrs and directions), but in this session: one commit removes both, or
+        neither, and on SQLite a second connection would wait for this one's write lock.
+        The artifacts go first, so that a study the API no longer shows has none left; if
+        the commit fails, the study stays DELETING and the next step tries again.
+        """
+        study_id, name = study.id, study.name
+        self._remove_artifacts(name)  # nothing of it runs: nothing writes there any more
+        trial_ids = session.scalars(select(Trial.id).where(Trial.study_id == study_id)).all()
+        arrays = select(Array.id).where(Array.study_id == study_id).scalar_subquery()
+        try:
+            session.execute(delete(ArrayMember).where(ArrayMember.array_id.in_(arrays)))
+            session.execute(delete(Trial).where(Trial.study_id == study_id))
+            session.execute(delete(Array).where(Array.study_id == study_id))
+            session.execute(delete(Study).where(Study.id == study_id))
+            optuna_study = session.get(rdb.StudyModel, study.optuna_study_id)
+            if optuna_study is not None:
+                session.delete(optuna_study)
+            session.commit()
+        except Exception:
+            session.rollback()
+            raise
+        self._forget(study_id)
+        for trial_id in trial_ids:  # SQLite may give a later trial the same id
+            self._resumes.pop(trial_id, None)
+        log.info("study %d (%s) deleted", study_id, name)
+
+    def _forget(self, study_id: int) -> None:
+        """Drop what the loop holds of a study that no longer runs (SQLite may reuse its id)."""
+        self._mirrors.pop(study_id, None)
+        self._training.pop(study_id, None)
+        self._halting.pop(study_id, None)
+
+    def _remove_artifacts(self, key: str) -> None:
+        """Remove a study's folder (``<study>``) or part of it in the artifact store (the
+        workers' saved members and checkpoints, ``workers/store.py``); a failure is logged."""
+        study_name = key.split("/", 1)[0]
+        if study_name in ("", ".", "..") or "\\" in study_name:  # one path component (StudyCreate.name)
+            raise ValueError(f"study name {study_name!r} is not a folder of the artifact store")
+        store = get_store(artifact_uri(self.settings))
+        try:
+            store.delete_dir(key)
+        except OSError as exc:
+            log.warning("could not remove %s: %s", store.location(key), exc)
+
+
+def _study(session: Session, study_id: int) -> Study:
+    study = session.get(Study, study_id)
+    if study is None:  # deleted since the request found it
+        raise NotFound(f"study {study_id} does not exist")
+    return study
+
+
+def _end(
+    session: Session, trial_id: int, state: TrialState, now: Any, value: float | None, error: str, where: Mapping[str, Any]
+) -> None:
+    """End fusetune's row of a trial with the reason (Optuna's is the mirror's) and record its
+    ``trial.ended`` event (``where``: its tenant, study and array) in the same transaction."""
+    value = value if value is not None and math.isfinite(value) else None
+    session.execute(update(Trial).where(Trial.id == trial_id).values(state=state, completed_at=now, error=error, value=value))
+    events.record(session, "trial.ended", **where, trial_id=trial_id, state=state.value, value=value, error=error)
+
+
+__all__ = ["STOPPING", "StudyLifecycle"]
