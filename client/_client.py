@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 
 FINISHED = {"COMPLETE", "PRUNED", "FAIL"}
+#: A study's end states; it has ended once it is in one with ``completed_at`` set (no trial runs).
+ENDED = {"COMPLETE", "CANCELLED", "FAILED"}
 #: Rows per page when the client reads a whole listing (the service's most).
 PAGE_SIZE = 1000
 
@@ -72,7 +74,7 @@ class Client:
             except ValueError:
                 detail = response.text
             raise FusetuneError(response.status_code, detail)
-        return response.json()
+        return response.json() if response.content else None  # 204: no body
 
     def pages(self, path: str, params: dict[str, Any] | None = None) -> Iterator[list[dict[str, Any]]]:
         """Each page of a listing route (``/api/v1/studies``, ``.../trials``, ...), following
@@ -159,6 +161,27 @@ class Client:
         """A client-driven study's pruning decision on the trial's value at ``step``."""
         return self._call("POST", f"/api/v1/trials/{trial_id}/pruning", json={"step": step, "prune": prune})
 
+    def pause_study(self, study_id: int) -> dict[str, Any]:
+        """Nothing new starts; running trials leave their arrays at the next epoch boundary and wait."""
+        return self._call("POST", f"/api/v1/studies/{study_id}/pause")
+
+    def resume_study(self, study_id: int) -> dict[str, Any]:
+        """A paused study runs again; its trials resume from their checkpoints."""
+        return self._call("POST", f"/api/v1/studies/{study_id}/resume")
+
+    def cancel_study(self, study_id: int) -> dict[str, Any]:
+        """End the study CANCELLED; its unfinished trials end PRUNED (or FAIL) with the reason."""
+        return self._call("POST", f"/api/v1/studies/{study_id}/cancel")
+
+    def update_study(self, study_id: int, n_trials: int) -> dict[str, Any]:
+        """Set the study's ``n_trials`` (more trials; a COMPLETE study runs again)."""
+        return self._call("PATCH", f"/api/v1/studies/{study_id}", json={"n_trials": n_trials})
+
+    def delete_study(self, study_id: int) -> dict[str, Any] | None:
+        """Delete the study, its Optuna study and its artifacts: None once gone; the study
+        (state DELETING) when arrays of it still train, until they stop."""
+        return self._call("DELETE", f"/api/v1/studies/{study_id}")
+
     def set_study_user_attr(self, study_id: int, key: str, value: Any) -> dict[str, Any]:
         return self._call("PUT", f"/api/v1/studies/{study_id}/user_attrs/{key}", json={"value": value})
 
@@ -225,13 +248,14 @@ class Client:
         return self._call("DELETE", f"/api/v1/tokens/{token_id}")
 
     def wait(self, study_id: int, timeout: float = 600.0, poll: float = 1.0, on_poll: Any = None) -> dict[str, Any]:
-        """Block until the study is COMPLETE; ``on_poll(study)`` is called on each poll."""
+        """Block until the study has ended (COMPLETE, CANCELLED or FAILED, and no trial of it runs);
+        ``on_poll(study)`` is called on each poll."""
         deadline = time.monotonic() + timeout
         while True:
             study = self.study(study_id)
             if on_poll is not None:
                 on_poll(study)
-            if study["state"] == "COMPLETE":
+            if study["state"] in ENDED and study["completed_at"] is not None:
                 return study
             if time.monotonic() > deadline:
                 raise TimeoutError(f"study {study_id} not complete after {timeout:.0f} s: {study['trial_counts']}")

@@ -1,4 +1,5 @@
-"""The ``fusetune`` command: ``serve``, ``submit``, ``status``, ``tenants``, ``demo`` and ``simulate``."""
+"""The ``fusetune`` command: ``serve``, ``submit``, ``status``, a study's ``pause``, ``resume``,
+``cancel``, ``extend`` and ``delete``, ``tenants``, ``demo`` and ``simulate``."""
 
 from __future__ import annotations
 
@@ -106,6 +107,24 @@ def _status(args: argparse.Namespace) -> int:
         study = client.study(args.study_id)
         print(f"study {study['id']} {study['name']}: {study['state']} {study['trial_counts']}")
         _print_trials(client, args.study_id)
+    return 0
+
+
+def cmd_lifecycle(args: argparse.Namespace) -> int:
+    """``pause``, ``resume``, ``cancel``, ``delete`` or ``extend`` one study; prints its state."""
+    with Client(args.url, token=args.token) as client:
+        try:
+            if args.command == "extend":
+                study = client.update_study(args.study_id, args.n_trials)
+            else:
+                study = getattr(client, f"{args.command}_study")(args.study_id)
+        except FusetuneError as exc:
+            print(f"rejected: {exc}", file=sys.stderr)
+            return 2
+    if study is None:
+        print(f"study {args.study_id} deleted")
+    else:
+        print(f"study {study['id']} {study['name']}: {study['state']} n_trials={study['n_trials']} {study['trial_counts']}")
     return 0
 
 
@@ -320,6 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("status", parents=[rest], help="list studies, or one study's trials")
     p.add_argument("study_id", nargs="?", type=int)
     p.set_defaults(func=cmd_status)
+
+    for command, text in (
+        ("pause", "pause a study: nothing new starts; running trials leave at the next epoch boundary and wait"),
+        ("resume", "run a paused study again"),
+        ("cancel", "cancel a study: its unfinished trials end (PRUNED or FAIL) with the reason"),
+        ("delete", "delete a study, its Optuna study and its artifacts (a running one is cancelled first)"),
+    ):
+        p = sub.add_parser(command, parents=[rest], help=text)
+        p.add_argument("study_id", type=int)
+        p.set_defaults(func=cmd_lifecycle)
+    p = sub.add_parser("extend", parents=[rest], help="set a study's n_trials (more trials; a COMPLETE study runs again)")
+    p.add_argument("study_id", type=int)
+    p.add_argument("n_trials", type=int)
+    p.set_defaults(func=cmd_lifecycle)
 
     tenants = sub.add_parser(
         "tenants",

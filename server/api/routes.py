@@ -10,6 +10,8 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 from fastapi.responses import FileResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -25,13 +27,14 @@ from fusetune.server.schemas import (
     PruningDecision,
     StudyCreate,
     StudyOut,
+    StudyUpdate,
     TrialEnqueue,
     TrialOut,
 )
 from fusetune.server.settings import Settings
 from fusetune.server.curves import MIN_POINTS
 from fusetune.server.db import ArrayState, StudyState, TrialState
-from fusetune.server.pagination import LINK_HEADER, PageParams, page_params, paged
+from fusetune.server.pagination import LINK_HEADER, PageParams, json_page, page_params, paged
 from fusetune.server.reads import ID_SORTS, TRIAL_SORTS
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -105,7 +108,6 @@ def get_study(
 def list_trials(
     study_id: StudyId,
     request: Request,
-    response: Response,
     state: list[TrialState] | None = Query(None, description="Only trials in these states (repeat the parameter)."),
     sort: TrialSort | None = Query(
         None,
@@ -122,13 +124,13 @@ def list_trials(
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
-) -> list[TrialOut]:
+) -> Response:
     """A page of the study's trials: params, state, per-epoch validation metric, final value, array, revision."""
     found = service.list_trials(
         session, url, study_id, states=state, sort=sort, updated_since=updated_since, page=page, max_points=max_points,
         as_tenant=principal.tenant,
     )
-    return paged(found, request, response)
+    return json_page(found, request, TrialOut)  # the pollers' route: serialised once
 
 
 @router.get("/trials/{trial_id}", response_model=TrialOut, tags=["trials"])
@@ -212,6 +214,94 @@ def set_study_user_attr(
 ) -> StudyOut:
     """Optuna's ``study.set_user_attr(key, value)``."""
     return service.set_study_user_attr(session, url, study_id, key, body.value, as_tenant=principal.tenant)
+
+
+# The study's lifecycle: the scheduling loop changes the state (it owns the running arrays),
+# so these answer 503 where no loop runs (an API alone).
+
+
+@router.post("/studies/{study_id}/pause", response_model=StudyOut, tags=["studies"], responses=CONFLICT)
+def pause_study(
+    study_id: StudyId,
+    request: Request,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> StudyOut:
+    """Pause a RUNNING study: nothing new is asked or started, and its running trials leave their
+    arrays at the next epoch boundary, checkpointed, to wait (409 naming `state` otherwise)."""
+    coordinator = getattr(request.app.state, "coordinator", None)
+    return service.pause_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
+
+
+@router.post("/studies/{study_id}/resume", response_model=StudyOut, tags=["studies"], responses=CONFLICT)
+def resume_study(
+    study_id: StudyId,
+    request: Request,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> StudyOut:
+    """Run a PAUSED study again; its trials resume from their checkpoints (409 naming `state`, or
+    the tenant's `max_running_studies`)."""
+    coordinator = getattr(request.app.state, "coordinator", None)
+    return service.resume_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
+
+
+@router.post("/studies/{study_id}/cancel", response_model=StudyOut, tags=["studies"], responses=CONFLICT)
+def cancel_study(
+    study_id: StudyId,
+    request: Request,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> StudyOut:
+    """Cancel a RUNNING or PAUSED study: it ends CANCELLED; waiting trials end now, running ones at
+    their array's next epoch boundary, PRUNED (or FAIL if they never reported) with the reason in
+    `error`; `completed_at` is set once none runs."""
+    coordinator = getattr(request.app.state, "coordinator", None)
+    return service.cancel_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
+
+
+@router.patch("/studies/{study_id}", response_model=StudyOut, tags=["studies"], responses=CONFLICT)
+def update_study(
+    study_id: StudyId,
+    body: StudyUpdate,
+    request: Request,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> StudyOut:
+    """Set `n_trials`: more trials for a running, paused or COMPLETE study (which runs again), never
+    fewer than it has asked (409), within the tenant's `max_trials_per_study` (422)."""
+    coordinator = getattr(request.app.state, "coordinator", None)
+    return service.update_study(session, url, coordinator, study_id, body, as_tenant=principal.tenant)
+
+
+@router.delete(
+    "/studies/{study_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_model=None,
+    tags=["studies"],
+    responses={
+        204: {"description": "Deleted: its rows, its Optuna study and its artifacts are gone."},
+        202: {"model": StudyOut, "description": "Arrays of it still train: it is DELETING, cancelled, and goes "
+              "(GET answers 404) once they stop at their next epoch boundary."},
+    },
+)
+def delete_study(
+    study_id: StudyId,
+    request: Request,
+    principal: Principal = Depends(authenticate),
+    session: Session = Depends(get_session),
+    url: str = Depends(get_url),
+) -> Response:
+    """Delete a study: fusetune's rows, the Optuna study and its artifact folder."""
+    coordinator = getattr(request.app.state, "coordinator", None)
+    study = service.delete_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
+    if study is None:
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return JSONResponse(jsonable_encoder(study), status_code=status.HTTP_202_ACCEPTED)
 
 
 @router.get("/arrays", response_model=list[ArrayOut], tags=["arrays"], responses=PAGED)

@@ -124,6 +124,15 @@ def user_attr(world: World, actor: str) -> tuple[str, dict[str, Any]]:
     return f"/api/v1/studies/{world.study_id}/user_attrs/note", {"json": {"value": actor}}
 
 
+def study_unchanged(world: World, actor: str, response: httpx.Response) -> None:
+    """A lifecycle action that was refused left the owner's study as it was."""
+    if response.status_code < 300:
+        return
+    study = world.live.client(world.live.admin_token).get(f"/api/v1/studies/{world.study_id}")
+    assert study.status_code == 200, (actor, study.text)
+    assert (study.json()["state"], study.json()["n_trials"]) == ("RUNNING", STUDY["n_trials"]), (actor, study.json())
+
+
 def trials_seen(world: World, actor: str, response: httpx.Response) -> None:
     if response.status_code == 200:
         assert [t["id"] for t in response.json()] == [world.trial_id]
@@ -211,6 +220,24 @@ RULES: dict[tuple[str, str], Rule] = {
     ("POST", "/api/v1/trials/{trial_id}/pruning"): Rule(
         lambda w, a: (f"/api/v1/trials/{w.trial_id}/pruning", {"json": {"step": 0, "prune": True}}),
         {"owner": 409, "other": 404, "admin": 409, **UNAUTHENTICATED},
+    ),
+    # The study's lifecycle is the scheduling loop's (the API alone runs none): past the
+    # scoping, a 503; another tenant gets 404 first, and nothing changes either way.
+    **{
+        ("POST", f"/api/v1/studies/{{study_id}}/{action}"): Rule(
+            path(f"/api/v1/studies/{{study_id}}/{action}"),
+            {"owner": 503, "other": 404, "admin": 503, **UNAUTHENTICATED},
+            study_unchanged,
+        )
+        for action in ("pause", "resume", "cancel")
+    },
+    ("PATCH", "/api/v1/studies/{study_id}"): Rule(
+        lambda w, a: (f"/api/v1/studies/{w.study_id}", {"json": {"n_trials": 5}}),
+        {"owner": 503, "other": 404, "admin": 503, **UNAUTHENTICATED},
+        study_unchanged,
+    ),
+    ("DELETE", "/api/v1/studies/{study_id}"): Rule(
+        path("/api/v1/studies/{study_id}"), {"owner": 503, "other": 404, "admin": 503, **UNAUTHENTICATED}, study_unchanged
     ),
     ("GET", "/api/v1/arrays"): Rule(
         lambda w, a: ("/api/v1/arrays", {}), {"owner": 200, "other": 200, "admin": 200, **UNAUTHENTICATED}, sees("arrays")
