@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 
 FINISHED = {"COMPLETE", "PRUNED", "FAIL"}
-#: A study's end states; it has ended once it is in one with ``completed_at`` set (no trial runs).
-ENDED = {"COMPLETE", "CANCELLED", "FAILED"}
 #: Rows per page when the client reads a whole listing (the service's most).
 PAGE_SIZE = 1000
+#: A study's end states; it has ended once it is in one with ``completed_at`` set (no trial runs).
+ENDED = {"COMPLETE", "CANCELLED", "FAILED"}
 
 
 #: The service a client talks to when no ``url`` is given and ``FUSETUNE_URL`` is unset.
@@ -188,35 +188,6 @@ class Client:
     def arrays(self, study_id: int | None = None, *, state: str | list[str] | None = None) -> list[dict[str, Any]]:
         """The arrays this token sees (every page), of one study or in ``state`` if given."""
         return self._listing("/api/v1/arrays", study_id=study_id, state=state)
-
-    # Tenants and tokens. Creating tenants and changing weights or quotas takes the admin's token.
-
-    def tenants(self) -> list[dict[str, Any]]:
-        """Every tenant (admin), or this token's own tenant."""
-        return self._listing("/api/v1/tenants")
-
-    def create_tenant(self, name: str, weight: float = 1.0, **fields: Any) -> dict[str, Any]:
-        """A new tenant (admin): ``{"tenant": {...}, "token": {"id": ..., "token": ...}}``; the
-        token is shown only here. ``fields``: max_running_studies, max_trials_per_study, token_label."""
-        return self._call("POST", "/api/v1/tenants", json={"name": name, "weight": weight, **fields})
-
-    def update_tenant(self, name: str, **fields: Any) -> dict[str, Any]:
-        """Change a tenant's weight, max_running_studies or max_trials_per_study (admin; None: no limit)."""
-        return self._call("PATCH", f"/api/v1/tenants/{name}", json=fields)
-
-    def set_weight(self, name: str, weight: float) -> dict[str, Any]:
-        return self.update_tenant(name, weight=weight)
-
-    def tokens(self, tenant: str) -> list[dict[str, Any]]:
-        """A tenant's tokens: ids, labels, dates (never the tokens themselves)."""
-        return self._listing(f"/api/v1/tenants/{tenant}/tokens")
-
-    def create_token(self, tenant: str, label: str | None = None) -> dict[str, Any]:
-        """Another token for ``tenant`` (the admin, or the tenant itself); ``["token"]`` is shown only here."""
-        return self._call("POST", f"/api/v1/tenants/{tenant}/tokens", json={"label": label})
-
-    def revoke_token(self, token_id: int) -> dict[str, Any]:
-        return self._call("DELETE", f"/api/v1/tokens/{token_id}")
 
     # Tenants and tokens. Creating tenants and changing weights or quotas takes the admin's token.
 
