@@ -136,7 +136,7 @@ if (location.hash.startsWith("#/studies/")) {
     const root = document.querySelector("[data-study-id][data-painted-at]");
     if (!root || window.__probe.painted || !document.querySelector("[data-chart=history] canvas")) return;
     watch.disconnect();
-    window.__probe.painted = Number(root.dataset.paintedAt) - performance.timeOrigin;
+    window.__probe.painted = performance.now();
     const tab = document.querySelector("[data-tab=params]");
     window.__probe.clicked = performance.now();
     tab.click();

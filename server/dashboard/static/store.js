@@ -9,6 +9,7 @@ import { get, getPage, follow, hasRoute, routeTakes } from "./api.js";
 
 const POLL_MS = 2000;
 const PAGE = 1000; // the API's largest page
+const FIRST_PAGE = 100;
 const CURVE_POINTS = 256; // learning curves come downsampled to about a chart's width
 
 class Emitter {
@@ -158,7 +159,9 @@ export class StudyStore extends Emitter {
     const path = `/api/v1/studies/{study_id}/trials`;
     const takes = (p) => routeTakes("GET", path, p);
     const params = {};
-    if (takes("limit")) params.limit = PAGE;
+    // The first page of a first download is small, so the page draws at once; the others
+    // are the API's largest (a cursor does not depend on the page size).
+    if (takes("limit")) params.limit = since === null ? FIRST_PAGE : PAGE;
     if (takes("sort")) params.sort = "revision";
     if (takes("max_points")) params.max_points = CURVE_POINTS;
     if (since !== null && takes("updated_since")) params.updated_since = since;
@@ -172,7 +175,9 @@ export class StudyStore extends Emitter {
         onPage(this.trials.size);
       }
       if (!page.next || !page.items.length || this.stopped) break;
-      page = await getPage(page.next);
+      const next = new URL(page.next, location.origin);
+      if (next.searchParams.has("limit")) next.searchParams.set("limit", String(PAGE));
+      page = await getPage(next.pathname + next.search);
     }
     if (changed.length && !onPage) this.version++;
     return changed;

@@ -82,7 +82,7 @@ export function studyView(studyId, initialTab) {
     document.title = `fusetune · ${s.name}`;
   }
 
-  function showTab(id) {
+  function showTab(id, { now = false } = {}) {
     if (!TABS.some((t) => t.id === id)) id = "progress";
     active = id;
     for (const a of tabBar.children) a.setAttribute("aria-selected", String(a.dataset.tab === id));
@@ -96,7 +96,7 @@ export function studyView(studyId, initialTab) {
         h("p.muted", "Drawing…"));
       panes.append(pane);
       building.add(id);
-      requestAnimationFrame(() => setTimeout(() => {
+      const build = () => {
         building.delete(id);
         if (disposed) return;
         const made_ = TABS.find((t) => t.id === id).make(ctx);
@@ -108,7 +108,10 @@ export function studyView(studyId, initialTab) {
         dirty.delete(id);
         for (const fn of waiting.get(id) ?? []) fn(made_);
         waiting.delete(id);
-      }, 0));
+      };
+      // The first tab is built at once, with the page; a tab clicked later in the next task.
+      if (now) build();
+      else requestAnimationFrame(() => setTimeout(build, 0));
     } else if (tab && dirty.has(id)) {
       dirty.delete(id);
       tab.update();
@@ -125,6 +128,7 @@ export function studyView(studyId, initialTab) {
     for (const id of made.keys()) dirty.add(id);
     const started = performance.now();
     const tab = made.get(active);
+    if (!tab) return; // the stamps below mean "the tab's charts are on screen"
     if (tab) { dirty.delete(active); tab.update(); }
     const took = performance.now() - started;
     lastPaintMs = took;
@@ -161,7 +165,8 @@ export function studyView(studyId, initialTab) {
   });
   store.load().then(() => {
     renderHead();
-    showTab(active ?? initialTab);
+    showTab(active ?? initialTab, { now: true });
+    paintNow(); // stamps the first frame with the tab drawn
     root.dataset.version = String(store.version);
   }).catch((err) => {
     clear(root).append(h("div.empty", { "data-testid": "not-found" },

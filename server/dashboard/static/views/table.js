@@ -51,7 +51,7 @@ export function trialsTable({ store, onOpen, height = 420, name = "trials" }) {
     const objectives = (study?.metrics?.length ? study.metrics : ["value"]);
     columns = [
       { key: "number", label: "#", get: (t) => t.number, width: "60px" },
-      { key: "state", label: "State", get: (t) => t.state, width: "92px", render: (t) => h(`span.badge.${t.state}`, t.state) },
+      { key: "state", label: "State", get: (t) => t.state, width: "108px", render: (t) => h(`span.badge.${t.state}`, t.state) },
       ...(objectives.length > 1
         ? objectives.map((m, i) => ({ key: `v${i}`, label: m, get: (t) => (t.values ? t.values[i] : i === 0 ? t.value : null), fmt: fmtValue, width: "100px" }))
         : [{ key: "value", label: objectives[0] === "value" ? "value" : objectives[0], get: (t) => t.value, fmt: fmtValue, width: "100px" }]),

@@ -45,7 +45,7 @@ export function trialDrawer(trialId, { onClose, onArray }) {
     const weights = t.user_attrs?.state_dict;
     const canDownload = hasRoute("GET", "/api/v1/trials/{trial_id}/state_dict");
     const chart = h("div.chart", { "data-chart": "trial-curve", style: { height: "200px" } });
-    clear(body).append(
+    clear(body).append(...[
       h("h2", `Trial #${t.number} `, h(`span.badge.${t.state}`, t.state)),
       dl([
         ["value", t.values && t.values.length > 1 ? t.values.map((v) => fmtValue(v)).join(", ") : fmtValue(t.value)],
@@ -64,7 +64,7 @@ export function trialDrawer(trialId, { onClose, onArray }) {
           ? h("button.primary", { type: "button", onclick: () => download(`/api/v1/trials/${t.id}/state_dict`, `trial-${t.number}.pt`) }, "Download state_dict")
           : h("p", "Saved at ", h("code", weights), " (a plain torch state_dict).")
         : h("p.muted", t.state === "COMPLETE" ? "No weights were saved." : "Weights are saved when the trial completes."),
-    );
+    ].flat().filter(Boolean));
     if (steps.length) {
       curve = upChart(chart, {
         legend: { show: false }, scales: { x: { time: false } },
