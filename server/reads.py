@@ -2,8 +2,8 @@
 
 The service layer (``server/service.py``) scopes a request to the caller's tenant and calls
 these. A page costs a constant number of queries whatever its length and wherever it is in
-the listing: one for its rows (an index range scan, ``ix_ft_trials_*``), then one per table
-of Optuna's it needs (values, intermediate values, params, attrs) for all its rows at once;
+the listing: one for its rows (an index range scan, ``ix_ft_trials_*``), then one UNION ALL
+over Optuna's trial tables (values, intermediate values, params, attrs) for all its rows;
 a page of studies computes every study's trial counts and best trial in SQL for the whole
 page. Nothing here reads a study's trials through Optuna's ``RDBStorage.get_all_trials``.
 """
@@ -21,7 +21,7 @@ import numpy as np
 import optuna
 from optuna.storages._rdb import models as rdb
 from optuna.study import StudyDirection
-from sqlalchemy import ColumnElement, Integer, Select, any_, case, func, literal, select, tuple_
+from sqlalchemy import ColumnElement, Float, Integer, Select, String, any_, case, cast, func, literal, null, select, tuple_, union_all
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
@@ -146,9 +146,35 @@ def _distribution_json(stored: str) -> Any:
     return json.loads(optuna.distributions.distribution_to_json(optuna.distributions.json_to_distribution(stored)))
 
 
+_VALUE, _STEP, _PARAM, _USER_ATTR, _SYSTEM_ATTR = range(5)
+
+
+def _optuna_rows(session: Session, ids: Sequence[int]) -> Any:
+    """What Optuna's five trial tables hold of these trials, in one statement (one round trip):
+    rows of (kind, Optuna trial id, objective/step/param id, param or attr name, value, its
+    stored type, JSON)."""
+    tv, iv, tp = rdb.TrialValueModel, rdb.TrialIntermediateValueModel, rdb.TrialParamModel
+    ua, sa = rdb.TrialUserAttributeModel, rdb.TrialSystemAttributeModel
+    no_text, no_number = cast(null(), String), cast(null(), Float)
+
+    def part(kind: int, model: Any, k: Any, name: Any, value: Any, stored_type: Any, text: Any) -> Select[Any]:
+        return select(
+            literal(kind).label("kind"), model.trial_id.label("trial_id"), k.label("k"), name.label("name"),
+            value.label("value"), stored_type.label("stored_type"), text.label("text"),
+        ).where(_among(session, model.trial_id, ids))
+
+    return union_all(
+        part(_VALUE, tv, tv.objective, no_text, tv.value, cast(tv.value_type, String), no_text),
+        part(_STEP, iv, iv.step, no_text, iv.intermediate_value, cast(iv.intermediate_value_type, String), no_text),
+        part(_PARAM, tp, tp.param_id, tp.param_name, no_number, no_text, tp.distribution_json),
+        part(_USER_ATTR, ua, literal(0), ua.key, no_number, no_text, ua.value_json),
+        part(_SYSTEM_ATTR, sa, literal(0), sa.key, no_number, no_text, sa.value_json),
+    )
+
+
 def trial_outs(session: Session, trials: Sequence[Trial], *, max_points: int | None = None) -> list[TrialOut]:
-    """The trials as the API shows them, with what Optuna's tables hold of them: one query per
-    Optuna table for all of them. ``max_points``: downsample each learning curve to that many."""
+    """The trials as the API shows them, with what Optuna's tables hold of them: one statement
+    for all of them (``_optuna_rows``). ``max_points``: downsample each learning curve to that many."""
     ids = [t.optuna_trial_id for t in trials]
     values: dict[int, dict[int, float]] = defaultdict(dict)
     curves: dict[int, dict[int, float]] = defaultdict(dict)
@@ -157,24 +183,21 @@ def trial_outs(session: Session, trials: Sequence[Trial], *, max_points: int | N
     system_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
     if ids:
         tv, iv, tp = rdb.TrialValueModel, rdb.TrialIntermediateValueModel, rdb.TrialParamModel
-        finite_value, finite_step = tv.TrialValueType.FINITE, iv.TrialIntermediateValueType.FINITE
-        for trial_id, objective, value, kind in session.execute(
-            select(tv.trial_id, tv.objective, tv.value, tv.value_type).where(_among(session, tv.trial_id, ids))
-        ):
-            values[trial_id][objective] = value if kind == finite_value else tv.stored_repr_to_value(value, kind)
-        for trial_id, step, value, kind in session.execute(
-            select(iv.trial_id, iv.step, iv.intermediate_value, iv.intermediate_value_type).where(_among(session, iv.trial_id, ids))
-        ):
-            curves[trial_id][step] = value if kind == finite_step else iv.stored_repr_to_intermediate_value(value, kind)
-        for trial_id, name, stored in session.execute(
-            select(tp.trial_id, tp.param_name, tp.distribution_json).where(_among(session, tp.trial_id, ids)).order_by(tp.param_id)
-        ):
-            distributions[trial_id][name] = _distribution_json(stored)
-        for model, into in ((rdb.TrialUserAttributeModel, user_attrs), (rdb.TrialSystemAttributeModel, system_attrs)):
-            for trial_id, key, value_json in session.execute(
-                select(model.trial_id, model.key, model.value_json).where(_among(session, model.trial_id, ids))
-            ):
-                into[trial_id][key] = json.loads(value_json)
+        params: dict[int, list[tuple[int, str, str]]] = defaultdict(list)
+        for kind, trial_id, k, name, value, stored_type, text in session.execute(_optuna_rows(session, ids)):
+            if kind == _VALUE:
+                values[trial_id][k] = value if stored_type == "FINITE" else tv.stored_repr_to_value(value, tv.TrialValueType[stored_type])
+            elif kind == _STEP:
+                curves[trial_id][k] = (
+                    value if stored_type == "FINITE"
+                    else iv.stored_repr_to_intermediate_value(value, iv.TrialIntermediateValueType[stored_type])
+                )
+            elif kind == _PARAM:
+                params[trial_id].append((k, name, text))
+            else:
+                (user_attrs if kind == _USER_ATTR else system_attrs)[trial_id][name] = json.loads(text)
+        for trial_id, rows in params.items():
+            distributions[trial_id] = {name: _distribution_json(stored) for _, name, stored in sorted(rows)}
     out = []
     for trial in trials:
         oid = trial.optuna_trial_id
