@@ -21,7 +21,7 @@ import numpy as np
 import optuna
 from optuna.storages._rdb import models as rdb
 from optuna.study import StudyDirection
-from sqlalchemy import ColumnElement, Float, Integer, Select, String, any_, case, cast, func, literal, null, select, tuple_, union_all
+from sqlalchemy import ColumnElement, Float, Integer, Select, String, any_, bindparam, case, cast, func, literal, null, select, tuple_, union_all
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
@@ -153,15 +153,25 @@ def _optuna_rows(session: Session, ids: Sequence[int]) -> Any:
     """What Optuna's five trial tables hold of these trials, in one statement (one round trip):
     rows of (kind, Optuna trial id, objective/step/param id, param or attr name, value, its
     stored type, JSON)."""
+    postgres = session.get_bind().dialect.name == "postgresql"
+    return session.execute(_optuna_rows_statement(postgres), {"ids": list(ids)})
+
+
+@lru_cache(maxsize=2)
+def _optuna_rows_statement(postgres: bool) -> Any:
+    """The statement of :func:`_optuna_rows`, built once per dialect: building it per request
+    cost more than running it. The ids are one array parameter on PostgreSQL."""
     tv, iv, tp = rdb.TrialValueModel, rdb.TrialIntermediateValueModel, rdb.TrialParamModel
     ua, sa = rdb.TrialUserAttributeModel, rdb.TrialSystemAttributeModel
     no_text, no_number = cast(null(), String), cast(null(), Float)
+    ids = bindparam("ids", type_=ARRAY(Integer)) if postgres else bindparam("ids", expanding=True)
 
     def part(kind: int, model: Any, k: Any, name: Any, value: Any, stored_type: Any, text: Any) -> Select[Any]:
+        among = model.trial_id == any_(ids) if postgres else model.trial_id.in_(ids)
         return select(
             literal(kind).label("kind"), model.trial_id.label("trial_id"), k.label("k"), name.label("name"),
             value.label("value"), stored_type.label("stored_type"), text.label("text"),
-        ).where(_among(session, model.trial_id, ids))
+        ).where(among)
 
     return union_all(
         part(_VALUE, tv, tv.objective, no_text, tv.value, cast(tv.value_type, String), no_text),
@@ -184,7 +194,7 @@ def trial_outs(session: Session, trials: Sequence[Trial], *, max_points: int | N
     if ids:
         tv, iv, tp = rdb.TrialValueModel, rdb.TrialIntermediateValueModel, rdb.TrialParamModel
         params: dict[int, list[tuple[int, str, str]]] = defaultdict(list)
-        for kind, trial_id, k, name, value, stored_type, text in session.execute(_optuna_rows(session, ids)):
+        for kind, trial_id, k, name, value, stored_type, text in _optuna_rows(session, ids):
             if kind == _VALUE:
                 values[trial_id][k] = value if stored_type == "FINITE" else tv.stored_repr_to_value(value, tv.TrialValueType[stored_type])
             elif kind == _STEP:
