@@ -331,7 +331,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env = {**os.environ, "FUSETUNE_DATABASE_URL": url}
         server = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "benchmarks.api:server_app", "--host", "127.0.0.1",
-             "--port", str(port), "--workers", str(args.server_workers), "--log-level", "warning", "--no-access-log"],
+             "--port", str(port), "--workers", str(args.server_workers), "--log-level", "warning", "--no-access-log",
+             # Longer than a poll interval: uvicorn's 5 s default closes idle connections just as
+             # a poller reuses them (a "server disconnected" error that is no server's fault).
+             "--timeout-keep-alive", "75"],
             cwd=ROOT, env=env,
         )
         base = f"http://127.0.0.1:{port}"
