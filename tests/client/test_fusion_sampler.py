@@ -9,6 +9,7 @@ storage, enqueued trials, conditional and dynamic spaces, every Optuna sampler.
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -109,6 +110,25 @@ def batches(
         for trial, value in asked:
             study.tell(trial, value)
     return running_at_ask
+
+
+class RecordingRunning(InMemoryStorage):
+    """In-memory storage that notes, under its own lock, which trials run as each one is created.
+
+    Threads' timestamps do not order a tell against another thread's ask (``datetime_complete``
+    is stamped before the write takes the lock); the storage's lock does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running_at_create: dict[int, set[int]] = {}
+
+    def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
+        with self._lock:
+            running = {t.number for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))}
+            trial_id = super().create_new_trial(study_id, template_trial)
+            self.running_at_create[self.get_trial_number_from_id(trial_id)] = running
+            return trial_id
 
 
 class Recording(optuna.samplers.RandomSampler):
@@ -233,12 +253,14 @@ def test_optimize_with_four_threads() -> None:
         barrier.wait()
         return value
 
+    storage = RecordingRunning()
     study = optuna.create_study(
-        sampler=FusionSampler(optuna.samplers.TPESampler(seed=0, constant_liar=True), non_fusible=NON_FUSIBLE, group_size=group_size)
+        storage=storage,
+        sampler=FusionSampler(optuna.samplers.TPESampler(seed=0, constant_liar=True), non_fusible=NON_FUSIBLE, group_size=group_size),
     )
     study.optimize(objective, n_trials=32, n_jobs=4)
     assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 32
-    groups = assert_groups(study, NON_FUSIBLE, group_size)
+    groups = assert_groups(study, NON_FUSIBLE, group_size, storage.running_at_create)
     assert [0, 1, 2, 3] in groups.values()
     assert sum(len(g) for g in groups.values()) == 32
     assert len(groups) <= 16  # trials in flight together shared groups
@@ -541,8 +563,31 @@ def test_several_processes_on_one_storage(tmp_path: Path) -> None:
     assert [w.wait(timeout=300) for w in workers] == [0, 0, 0]
     study = optuna.load_study(study_name="shared", storage=JournalStorage(JournalFileBackend(path)))
     assert len(study.trials) == 54
-    groups = assert_groups(study, NON_FUSIBLE, 4)
+    groups = assert_groups(study, NON_FUSIBLE, 4, running_at_ask=running_in_journal(path))
     assert sum(len(g) for g in groups.values()) == 54
+
+
+def running_in_journal(path: str) -> dict[int, set[int]]:
+    """Each trial's number -> the trials still running where the journal records its creation.
+
+    The journal's order is the one order all processes agree on; timestamps are not (a
+    process stamps ``datetime_complete`` before it appends the op another process may read
+    after it created a trial). A sampler can only have seen a member running if that
+    member's finish comes later in the log than the joiner's creation.
+    """
+    running: set[int] = set()
+    at_create: dict[int, set[int]] = {}
+    created = 0
+    with open(path) as log:
+        for line in log:
+            op = json.loads(line)
+            if op["op_code"] == 4:  # CREATE_TRIAL: ids count up from 0 in a one-study journal
+                at_create[created] = set(running)
+                running.add(created)
+                created += 1
+            elif op["op_code"] == 6 and op["state"] != optuna.trial.TrialState.RUNNING.value:
+                running.discard(op["trial_id"])
+    return at_create
 
 
 def test_the_example_runs_and_groups_each_round_of_eight() -> None:
