@@ -38,6 +38,8 @@ from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, insert, update
 from sqlalchemy.orm import Session
 
+from fusetune.server.db.bulk import insert_rows
+
 __all__ = ["AskedTrial", "StudyMirror"]
 
 
@@ -163,7 +165,7 @@ class StudyMirror:
         A step reported again (a trial that resumed from an earlier checkpoint trains it
         again) replaces the stored value, so each (trial, step) is stored once and the
         stored curve is the curve of the weights the trial goes on with. The mirror knows
-        which steps are stored, so new ones go in one multi-row INSERT without reading first.
+        which steps are stored, so new ones go in one bulk insert (:func:`~fusetune.server.db.bulk.insert_rows`) without reading first.
         """
         model = rdb.TrialIntermediateValueModel
         table = model.__table__  # Core statements: nothing to load or synchronise back
@@ -181,8 +183,7 @@ class StudyMirror:
                 )
             else:
                 new.append({"trial_id": trial_id, "step": step, "intermediate_value": stored, "intermediate_value_type": kind})
-        if new:
-            session.execute(insert(table), new)
+        insert_rows(session, table, new)
 
     def truncate(self, session: Session, trial_id: int, from_step: int) -> int:
         """Drop the trial's intermediate values at ``from_step`` and later; returns how many.
@@ -232,8 +233,7 @@ class StudyMirror:
     def _write_attrs(session: Session, model: Any, trial_id: int, attrs: Mapping[str, Any], existing: set[str]) -> None:
         table = model.__table__
         new = [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items() if k not in existing]
-        if new:
-            session.execute(insert(table), new)
+        insert_rows(session, table, new)
         for key in existing & set(attrs):
             session.execute(
                 update(table).where(table.c.trial_id == trial_id, table.c.key == key).values(value_json=json.dumps(attrs[key]))

@@ -1,0 +1,44 @@
+"""Many rows into one table in the caller's transaction, at the cost of one statement.
+
+The scheduling loop writes an array-epoch's intermediate values and its ``trial.reported``
+events: dozens of rows per transaction, hundreds of transactions a minute. Through the ORM
+or an ``executemany`` each row is a statement on the wire (psycopg pipelines them, but the
+server still plans and runs each), and SQLAlchemy's multi-row ``VALUES`` form is too long
+for psycopg to cache, so it is parsed again every time. PostgreSQL's ``COPY ... FROM STDIN``
+takes the rows as one stream: 64 events in about 1.3 ms instead of 10 ms through the ORM
+(measured on the 2-core box). Other databases (SQLite) take a Core ``executemany``, which
+is already cheap in process.
+
+Values go through each column's own bind processing first (a JSON column's serialiser, an
+enum's name, :class:`~fusetune.server.db.models.UTCDateTime`), so a row reads back exactly
+as if the ORM had written it. Columns a row leaves out take their server defaults (the id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import Table, insert
+from sqlalchemy.orm import Session
+
+__all__ = ["insert_rows"]
+
+
+def insert_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Insert ``rows`` (dicts with the same keys, column names) into ``table``."""
+    if not rows:
+        return
+    connection = session.connection()
+    dialect = connection.dialect
+    if dialect.name != "postgresql":
+        connection.execute(insert(table), list(rows))
+        return
+    names = list(rows[0])
+    processors = [table.c[name].type._cached_bind_processor(dialect) for name in names]
+    quoted = ", ".join(dialect.identifier_preparer.quote(name) for name in names)
+    target = dialect.identifier_preparer.format_table(table)
+    cursor = connection.connection.driver_connection.cursor()
+    with cursor.copy(f"COPY {target} ({quoted}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row([value if process is None else process(value) for process, value in zip(processors, (row[n] for n in names))])
