@@ -1,0 +1,86 @@
+"""Backfill: a pruned member's slot goes to a waiting trial of the same class at an epoch boundary."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import sqlalchemy as sa
+
+from fusetune.server import service
+from fusetune.server.coordinator import Coordinator
+from fusetune.server.db import Array, Event, Study, StudyState, get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.schemas import StudyCreate
+from fusetune.server.settings import Settings
+from fusetune.workers.pool import WorkerPool
+from tests.test_trial_ends import BACKFILL_SPACE
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_pruned_members_slot_goes_to_a_waiting_trial_at_the_next_epoch_boundary(ray_cluster: str, tmp_path: Path) -> None:
+    """Backfill, event by event: the scheduling loop is stepped by hand.
+
+    A study with a pruner makes its array wait for each report's reply, so a step handles at
+    most one report of it: the two steps after the prune offer the freed slots by the reply to
+    epoch 2 at the latest, and the newcomers join long before the array's sixth epoch.
+    """
+    url = f"sqlite:///{tmp_path / 'fusetune.db'}"
+    settings = Settings(database_url=url, ray_address=ray_cluster, cpu_workers=1, max_array_size=4,
+                        artifact_dir=tmp_path / "artifacts", checkpoint_interval_s=0, min_member_efficiency=1e-6)
+    upgrade(url)
+    get_optuna_storage(url)
+    with get_sessionmaker(url)() as session:
+        study_id = service.create_study(session, url, StudyCreate(
+            workload="digits-mlp", n_trials=8, epochs=6, name="backfill-steps", search_space=BACKFILL_SPACE,
+            sampler={"name": "RandomSampler", "kwargs": {"seed": 7}},  # trials 2, 3 and 6 learn nothing
+            pruner={"name": "ThresholdPruner", "kwargs": {"lower": 0.3}},
+        )).id
+    pool = WorkerPool(cpu_workers=1, name_prefix="backfill")
+
+    def next_events() -> list:
+        deadline = time.monotonic() + 180
+        while not (events := pool.wait(1.0)):
+            assert time.monotonic() < deadline, "the worker said nothing"
+        return events
+
+    def arrays() -> list[tuple[int, int, set[int]]]:
+        with get_sessionmaker(url)() as session:
+            return [(a.id, a.size, {m.trial_id for m in a.members})
+                    for a in session.scalars(sa.select(Array).where(Array.study_id == study_id).order_by(Array.id))]
+
+    try:
+        coordinator = Coordinator(settings, pool)
+        coordinator.setup()
+        coordinator.step()  # the first four trials start as one array
+        [(first, size, founders)] = arrays()
+        assert size == 4
+        coordinator._handle(next_events())  # epoch 0: two members learned nothing and are pruned
+        coordinator.step()  # asks the next trials...
+        coordinator.step()  # ...and offers two of them to the running array
+        [(_, size, members)] = arrays()
+        assert size == 6
+        newcomers = members - founders
+        deadline = time.monotonic() + 300
+        while _state(url, study_id) != StudyState.COMPLETE:
+            assert time.monotonic() < deadline, "the study did not complete"
+            coordinator.step()
+            coordinator._handle(pool.wait(0.5))
+    finally:
+        pool.shutdown()
+    with get_sessionmaker(url)() as session:
+        started = session.scalars(sa.select(Event.trial_id).where(Event.kind == "trial.started", Event.array_id == first)).all()
+    assert set(started) >= founders | newcomers  # they trained in the first array (later ones may have too)
+    study = optuna.load_study(study_name="backfill-steps", storage=url)
+    for trial in study.trials:
+        if trial.params["lr"] == 1e-5:
+            assert trial.state.name == "PRUNED" and sorted(trial.intermediate_values) == [0]
+        else:  # the newcomers count their own epochs from 0
+            assert trial.state.name == "COMPLETE" and sorted(trial.intermediate_values) == list(range(6))
+
+
+def _state(url: str, study_id: int) -> StudyState:
+    with get_sessionmaker(url)() as session:
+        return session.get(Study, study_id).state
