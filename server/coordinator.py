@@ -8,6 +8,7 @@ the database, Optuna and the worker pool.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 from collections import Counter, deque
@@ -75,6 +76,9 @@ _T = TypeVar("_T")
 _DECISION_POLL_S = 0.01
 # While the database is unreachable the loop retries at most this far apart.
 _MAX_DB_RETRY_S = 5.0
+# Most array-epochs one transaction records: a bounded transaction (and rollback) when many
+# workers report at once.
+_GROUP_COMMIT = 64
 
 
 def database_unavailable(exc: BaseException) -> bool:
@@ -236,6 +240,9 @@ class Coordinator(StudyLifecycle):
         self._live: dict[int, _Live] = {}  # array id -> what reports need of the arrays running now
         # Measured models·steps/s by (signature, device type) and B: ft_throughput, in memory.
         self._points: dict[tuple[str, str], dict[int, float]] = {}
+        # Speeds observed in the transaction being written, written once each at its end:
+        # (signature, device type, B) -> (smoothed rate, samples added, whether its row is new).
+        self._observed: dict[tuple[str, str, int], tuple[float, int, bool]] = {}
         self.scheduler = make_scheduler(
             settings.scheduling_policy,
             ThroughputModel(prior_marginal_cost=settings.prior_marginal_cost),
@@ -384,6 +391,20 @@ class Coordinator(StudyLifecycle):
         self._backlog.extend(events)
         ended = False
         while self._backlog:
+            run = list(itertools.takewhile(lambda e: isinstance(e[2], EpochReport), itertools.islice(self._backlog, _GROUP_COMMIT)))
+            if len(run) > 1:  # reports that came together are written together
+                try:
+                    replies = self._record_epochs([(worker, report) for worker, _, report in run])
+                except Exception as exc:
+                    if database_unavailable(exc):
+                        raise
+                    # Written one at a time below, so that one bad report costs only itself.
+                    log.warning("%d array-epochs could not be recorded together (%s): one at a time", len(run), exc)
+                else:
+                    for (worker, _, report), reply in zip(run, replies):
+                        ended = self._answer(worker, report, reply) or ended
+                        self._backlog.popleft()
+                    continue
             worker, spec, item = self._backlog[0]
             try:
                 ended = self._handle_one(worker, spec, item) or ended
@@ -394,15 +415,18 @@ class Coordinator(StudyLifecycle):
             self._backlog.popleft()
         return ended
 
+    def _answer(self, worker: WorkerHandle, report: EpochReport, reply: EpochReply | None) -> bool:
+        """Send a recorded report's reply; returns whether members left the array."""
+        if reply is None:  # the client decides: the reply goes when it has
+            return bool(report.released or any(m.state for m in report.members))
+        # Every report is answered: the reply decides pruning (studies with a pruner wait for
+        # it) and acknowledges that the report, and the checkpoints it named, are recorded.
+        self.pool.reply(worker, reply)
+        return bool(reply.prune or report.released or any(m.state for m in report.members))
+
     def _handle_one(self, worker: WorkerHandle, spec: ArraySpec, item: EpochReport | ArrayOutcome | BaseException) -> bool:
         if isinstance(item, EpochReport):
-            reply = self._record_epoch(worker, item)
-            if reply is None:  # the client decides: the reply goes when it has
-                return bool(item.released or any(m.state for m in item.members))
-            # Every report is answered: the reply decides pruning (studies with a pruner wait for
-            # it) and acknowledges that the report, and the checkpoints it named, are recorded.
-            self.pool.reply(worker, reply)
-            return bool(reply.prune or item.released or any(m.state for m in item.members))
+            return self._answer(worker, item, self._record_epoch(worker, item))
         self._awaiting.pop(spec.array_id, None)
         self._record(worker, spec, item)
         if isinstance(item, BaseException):
@@ -757,10 +781,55 @@ class Coordinator(StudyLifecycle):
 
     # -- recording -----------------------------------------------------------------------------
     def _record_epoch(self, worker: WorkerHandle, report: EpochReport) -> EpochReply | None:
-        """Write one array-epoch in one transaction; decide pruning; return the reply.
+        """Write one array-epoch in one transaction; decide pruning; return the reply (see :meth:`_record_epochs`)."""
+        return self._record_epochs([(worker, report)])[0]
+
+    def _record_epochs(self, reports: Sequence[tuple[WorkerHandle, EpochReport]]) -> list[EpochReply | None]:
+        """Write array-epochs in one transaction, in order; decide pruning; return each one's reply.
+
+        The loop records together the reports that arrived together (one per busy worker):
+        a transaction's fixed costs (the revision counter, the commit's flush to disk, a
+        round trip per statement) are paid once for all of them. Either all are written or
+        none is, and what the control plane keeps in memory goes back to what it was.
 
         A client-driven study's client decides pruning (:meth:`decide`): then the members
         still running await its decisions and the reply is None, for now.
+        """
+        restore = []
+        decided: list[tuple[set[int], dict[int, int]]] = []
+        with self.sessions() as session:
+            try:
+                for worker, report in reports:
+                    live = self._live[report.array_id]
+                    restore.append((live, live.epochs_done, dict(live.timings), dict(live.checkpoints), set(live.announced)))
+                    decided.append(self._write_epoch(session, worker, report, live))
+                self._write_observed(session)
+                session.commit()
+                self.reports_ingested += len(reports)
+            except Exception:
+                session.rollback()
+                for signature, device_type, members in [k for k, (_, _, new) in self._observed.items() if new]:
+                    del self._points[(signature, device_type)][members]  # its row was not written after all
+                self._observed.clear()
+                for live, *before in reversed(restore):  # so that a retry writes the same
+                    self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
+                    live.epochs_done, live.timings, live.checkpoints, live.announced = before
+                raise
+        replies: list[EpochReply | None] = []
+        for (worker, report), (prune, awaiting) in zip(reports, decided):
+            self._release_halted(worker, self._live[report.array_id], report, prune)
+            if awaiting:
+                self._awaiting[report.array_id] = _Awaiting(worker, awaiting)
+                replies.append(None)
+            else:
+                replies.append(EpochReply(prune=frozenset(prune)))
+        return replies
+
+    def _write_epoch(
+        self, session: Session, worker: WorkerHandle, report: EpochReport, live: _Live
+    ) -> tuple[set[int], dict[int, int]]:
+        """One array-epoch's writes, in the caller's transaction: the members it prunes, and
+        those that await their client's decision (trial id -> step).
 
         Every member's intermediate value goes to its Optuna trial (so Optuna's pruners,
         ``optuna.load_study`` and optuna-dashboard see it); members that ended are told to
@@ -769,96 +838,81 @@ class Coordinator(StudyLifecycle):
         plane holds it. The measured throughput updates the class's curve. What the
         control plane knows of the array (:class:`_Live`) spares the transaction any read.
         """
-        live = self._live[report.array_id]
-        before = (live.epochs_done, dict(live.timings), dict(live.checkpoints))  # restored if the write fails
         prune: set[int] = set()
         awaiting: dict[int, int] = {}
-        with self.sessions() as session:
-            mirror = self._mirror_of(session, live.study_id)
-            client_decides = live.client_decides
-            try:
-                now = utcnow()
-                optuna_id = live.optuna_ids
-                where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
-                ended: list[int] = []
-                for joined in report.joined:
-                    if joined.trial_id in live.announced:  # a first member: its trial.started came with the array
-                        live.announced.discard(joined.trial_id)
-                        continue
-                    events.record(
-                        session, "trial.started", **where, trial_id=joined.trial_id, resumed_at_epoch=joined.resumed_at_epoch
-                    )
-                if report.joined:
-                    session.execute(
-                        update(Trial)
-                        .where(Trial.id.in_([j.trial_id for j in report.joined]))
-                        .values(state=TrialState.RUNNING, started_at=func.coalesce(Trial.started_at, now))
-                    )
-                for joined in report.joined:
-                    if joined.resumed_at_epoch is not None:  # one entry per move or crash
-                        before = mirror.trial(optuna_id[joined.trial_id]).user_attrs.get("resumed_at_epochs", [])
-                        mirror.set_user_attrs(session, optuna_id[joined.trial_id], {"resumed_at_epochs": [*before, joined.resumed_at_epoch]})
-                self._truncate_resumed(session, mirror, report, optuna_id)
-                mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
-                # Their Optuna trials got a value: pollers (updated_since) read them again.
-                touch_trials(session, [m.trial_id for m in report.members])
-                self._note_checkpoints(session, live, report)
-                for member in report.members:
-                    events.record(session, "trial.reported", **where, trial_id=member.trial_id, step=member.step, value=_json_number(member.value))
-                for member in report.members:
-                    trial_id = optuna_id[member.trial_id]
-                    if member.state == "COMPLETE":
-                        if member.state_dict is not None:  # where its trained weights are
-                            mirror.set_user_attrs(session, trial_id, {"state_dict": member.state_dict})
-                        # Every objective (a multi-objective study's list); the first is also fusetune's value.
-                        mirror.tell(session, trial_id, OptunaState.COMPLETE, list(member.values) or member.value)
-                        _finish(session, member.trial_id, TrialState.COMPLETE, now, value=member.value, event=where)
-                        ended.append(member.trial_id)
-                    elif member.state == "FAIL":
-                        mirror.tell(session, trial_id, OptunaState.FAIL)
-                        _finish(session, member.trial_id, TrialState.FAIL, now, error=member.error, event=where)
-                        ended.append(member.trial_id)
-                    elif member.trial_id in report.released or self._halting.get(live.study_id) in STOPPING:
-                        continue  # leaving at this boundary (its next array decides), or at the next: its study stops
-                    elif client_decides:
-                        awaiting[member.trial_id] = member.step
-                    elif mirror.should_prune(session, trial_id):
-                        mirror.tell(session, trial_id, OptunaState.PRUNED)
-                        _finish(session, member.trial_id, TrialState.PRUNED, now, value=member.value, event=where)
-                        prune.add(member.trial_id)
-                        ended.append(member.trial_id)
-                if report.released and not self._stop_report(session, mirror, live, report, now):
-                    # preempted or paused: waits for its next array, Optuna keeps it RUNNING
-                    session.execute(
-                        update(Trial)
-                        .where(Trial.id.in_(report.released))
-                        .values(state=TrialState.WAITING, array_id=None, started_at=None)
-                    )
-                # An array's first epoch pays for warming up (allocations, lazy init): its speed
-                # would say fusing pays less than it does. (The probe runs after it, warm.)
-                self._observe(session, worker.spec.signature, worker.device_type, report, warm=live.epochs_done > 0)
-                live.epochs_done += 1
-                live.timings = _add_timings(live.timings, report.timings)
-                session.execute(
-                    update(Array).where(Array.id == report.array_id).values(epochs_done=live.epochs_done, timings=live.timings)
-                )
-                if report.joined or report.released or ended:
-                    events.record(
-                        session, "array.changed", **where, offered=[], joined=[j.trial_id for j in report.joined],
-                        left=[*ended, *report.released], epochs_done=live.epochs_done,
-                    )
-                session.commit()
-                self.reports_ingested += 1
-            except Exception:
-                session.rollback()
-                self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
-                live.epochs_done, live.timings, live.checkpoints = before  # so that a retry writes the same
-                raise
-        self._release_halted(worker, live, report, prune)
-        if awaiting:
-            self._awaiting[report.array_id] = _Awaiting(worker, awaiting)
-            return None
-        return EpochReply(prune=frozenset(prune))
+        mirror = self._mirror_of(session, live.study_id)
+        client_decides = live.client_decides
+        now = utcnow()
+        optuna_id = live.optuna_ids
+        where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
+        ended: list[int] = []
+        for joined in report.joined:
+            if joined.trial_id in live.announced:  # a first member: its trial.started came with the array
+                live.announced.discard(joined.trial_id)
+                continue
+            events.record(
+                session, "trial.started", **where, trial_id=joined.trial_id, resumed_at_epoch=joined.resumed_at_epoch
+            )
+        if report.joined:
+            session.execute(
+                update(Trial)
+                .where(Trial.id.in_([j.trial_id for j in report.joined]))
+                .values(state=TrialState.RUNNING, started_at=func.coalesce(Trial.started_at, now))
+            )
+        for joined in report.joined:
+            if joined.resumed_at_epoch is not None:  # one entry per move or crash
+                resumed = mirror.trial(optuna_id[joined.trial_id]).user_attrs.get("resumed_at_epochs", [])
+                mirror.set_user_attrs(session, optuna_id[joined.trial_id], {"resumed_at_epochs": [*resumed, joined.resumed_at_epoch]})
+        self._truncate_resumed(session, mirror, report, optuna_id)
+        mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
+        # Their Optuna trials got a value: pollers (updated_since) read them again.
+        touch_trials(session, [m.trial_id for m in report.members])
+        self._note_checkpoints(session, live, report)
+        for member in report.members:
+            events.record(session, "trial.reported", **where, trial_id=member.trial_id, step=member.step, value=_json_number(member.value))
+        for member in report.members:
+            trial_id = optuna_id[member.trial_id]
+            if member.state == "COMPLETE":
+                if member.state_dict is not None:  # where its trained weights are
+                    mirror.set_user_attrs(session, trial_id, {"state_dict": member.state_dict})
+                # Every objective (a multi-objective study's list); the first is also fusetune's value.
+                mirror.tell(session, trial_id, OptunaState.COMPLETE, list(member.values) or member.value)
+                _finish(session, member.trial_id, TrialState.COMPLETE, now, value=member.value, event=where)
+                ended.append(member.trial_id)
+            elif member.state == "FAIL":
+                mirror.tell(session, trial_id, OptunaState.FAIL)
+                _finish(session, member.trial_id, TrialState.FAIL, now, error=member.error, event=where)
+                ended.append(member.trial_id)
+            elif member.trial_id in report.released or self._halting.get(live.study_id) in STOPPING:
+                continue  # leaving at this boundary (its next array decides), or at the next: its study stops
+            elif client_decides:
+                awaiting[member.trial_id] = member.step
+            elif mirror.should_prune(session, trial_id):
+                mirror.tell(session, trial_id, OptunaState.PRUNED)
+                _finish(session, member.trial_id, TrialState.PRUNED, now, value=member.value, event=where)
+                prune.add(member.trial_id)
+                ended.append(member.trial_id)
+        if report.released and not self._stop_report(session, mirror, live, report, now):
+            # preempted or paused: waits for its next array, Optuna keeps it RUNNING
+            session.execute(
+                update(Trial)
+                .where(Trial.id.in_(report.released))
+                .values(state=TrialState.WAITING, array_id=None, started_at=None)
+            )
+        # An array's first epoch pays for warming up (allocations, lazy init): its speed
+        # would say fusing pays less than it does. (The probe runs after it, warm.)
+        self._observe(worker.spec.signature, worker.device_type, report, warm=live.epochs_done > 0)
+        live.epochs_done += 1
+        live.timings = _add_timings(live.timings, report.timings)
+        session.execute(
+            update(Array).where(Array.id == report.array_id).values(epochs_done=live.epochs_done, timings=live.timings)
+        )
+        if report.joined or report.released or ended:
+            events.record(
+                session, "array.changed", **where, offered=[], joined=[j.trial_id for j in report.joined],
+                left=[*ended, *report.released], epochs_done=live.epochs_done,
+            )
+        return prune, awaiting
 
     def decide(self, trial_id: int, step: int, prune: bool) -> None:
         """A client-driven study's pruning decision for a trial's report at ``step``.
@@ -966,8 +1020,9 @@ class Coordinator(StudyLifecycle):
             for row in session.scalars(select(Throughput)):
                 self._points.setdefault((row.signature, row.device_type), {})[row.members] = row.models_steps_per_s
 
-    def _observe(self, session: Session, cls: str, device_type: str, report: EpochReport, warm: bool) -> None:
-        """Fold an array-epoch's measured speed into ft_throughput and the class's curve."""
+    def _observe(self, cls: str, device_type: str, report: EpochReport, warm: bool) -> None:
+        """Fold an array-epoch's measured speed into the class's curve; :meth:`_write_observed`
+        writes it to ft_throughput."""
         signature = cls.split("@", 1)[0]
         measured = []
         if warm and report.train_seconds > 0 and report.size > 0:
@@ -978,19 +1033,28 @@ class Coordinator(StudyLifecycle):
             return
         points = self._points.setdefault((signature, device_type), {})
         smoothing = self.settings.throughput_smoothing
-        key = (Throughput.signature == signature, Throughput.device_type == device_type)
         for members, rate in measured:
+            key = (signature, device_type, members)
+            _, samples, new = self._observed.get(key, (0.0, 0, members not in points))
             if members in points:
                 rate = (1 - smoothing) * points[members] + smoothing * rate
+            points[members] = rate
+            self._observed[key] = (rate, samples + 1, new)
+        self.scheduler.throughput.set_curve(cls, device_type, fit_points(points, self.settings.prior_marginal_cost))
+
+    def _write_observed(self, session: Session) -> None:
+        """Write the speeds :meth:`_observe` folded in since the last call: one row each, however
+        many of the transaction's array-epochs measured it."""
+        observed, self._observed = self._observed, {}
+        for (signature, device_type, members), (rate, samples, new) in observed.items():
+            if new:
+                session.add(Throughput(signature=signature, device_type=device_type, members=members, models_steps_per_s=rate, samples=samples))
+            else:
                 session.execute(
                     update(Throughput)
-                    .where(*key, Throughput.members == members)
-                    .values(models_steps_per_s=rate, samples=Throughput.samples + 1, updated_at=utcnow())
+                    .where(Throughput.signature == signature, Throughput.device_type == device_type, Throughput.members == members)
+                    .values(models_steps_per_s=rate, samples=Throughput.samples + samples, updated_at=utcnow())
                 )
-            else:
-                session.add(Throughput(signature=signature, device_type=device_type, members=members, models_steps_per_s=rate, samples=1))
-            points[members] = rate
-        self.scheduler.throughput.set_curve(cls, device_type, fit_points(points, self.settings.prior_marginal_cost))
 
     def _curve_classes(self, classes: set[str], device_types: set[str]) -> None:
         """Give the scheduler each class's curve fitted to its signature's measured points."""

@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import delete, event, func, select
-from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from fusetune.server.db import Event, utcnow
-from fusetune.server.db.bulk import insert_rows
+from fusetune.server.db.bulk import add_rows
 from fusetune.server.schemas import EventOut
 
 #: Every kind of event, in the order a trial meets them.
@@ -39,12 +39,10 @@ KINDS = (
     "study.completed",  # every trial has ended
 )
 
+_events = Event.__table__
+
 #: Most events one read of the table returns; a stream reads again at once when it was full.
 BATCH = 500
-
-
-#: Key of the transaction's events not yet written, in ``Session.info``.
-_PENDING = "fusetune.events"
 
 
 def record(
@@ -60,27 +58,14 @@ def record(
     """Add an event to the caller's transaction (it commits, or rolls back, with it).
 
     The transaction's events are written together as it commits, in the order they were
-    recorded (one ``COPY`` on PostgreSQL: an array-epoch records one event per member).
+    recorded (:func:`~fusetune.server.db.bulk.add_rows`: an array-epoch records one event per
+    member, and the loop records several array-epochs in one transaction).
     """
     assert kind in KINDS, kind
-    session.connection()  # begins the transaction the event belongs to, if none has begun
-    session.info.setdefault(_PENDING, []).append(
+    add_rows(session, _events, [
         {"tenant": tenant, "study_id": study_id, "kind": kind, "trial_id": trial_id, "array_id": array_id, "data": data,
          "created_at": utcnow()}
-    )
-
-
-@event.listens_for(Session, "before_commit")
-def _write_pending(session: Session) -> None:
-    pending = session.info.pop(_PENDING, None)
-    if pending:
-        insert_rows(session, Event.__table__, pending)
-
-
-@event.listens_for(Session, "after_transaction_end")
-def _drop_pending(session: Session, transaction: SessionTransaction) -> None:
-    if transaction.parent is None:  # the transaction ended without a commit: so do its events
-        session.info.pop(_PENDING, None)
+    ])
 
 
 def prune(session: Session, retention_s: float) -> int:

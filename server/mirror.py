@@ -38,7 +38,7 @@ from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, insert, update
 from sqlalchemy.orm import Session
 
-from fusetune.server.db.bulk import insert_rows
+from fusetune.server.db.bulk import add_rows, insert_rows, write_pending
 
 __all__ = ["AskedTrial", "StudyMirror"]
 
@@ -165,7 +165,8 @@ class StudyMirror:
         A step reported again (a trial that resumed from an earlier checkpoint trains it
         again) replaces the stored value, so each (trial, step) is stored once and the
         stored curve is the curve of the weights the trial goes on with. The mirror knows
-        which steps are stored, so new ones go in one bulk insert (:func:`~fusetune.server.db.bulk.insert_rows`) without reading first.
+        which steps are stored, so new ones need no read: they are held back and go in one bulk
+        insert with the transaction's others (:func:`~fusetune.server.db.bulk.add_rows`).
         """
         model = rdb.TrialIntermediateValueModel
         table = model.__table__  # Core statements: nothing to load or synchronise back
@@ -176,6 +177,7 @@ class StudyMirror:
             self._memory.set_trial_intermediate_value(memory_id, step, value)
             stored, kind = model.intermediate_value_to_stored_repr(value)
             if again:
+                write_pending(session, table)  # the step's row may still be held back
                 session.execute(
                     update(table)
                     .where(table.c.trial_id == trial_id, table.c.step == step)
@@ -183,7 +185,7 @@ class StudyMirror:
                 )
             else:
                 new.append({"trial_id": trial_id, "step": step, "intermediate_value": stored, "intermediate_value_type": kind})
-        insert_rows(session, table, new)
+        add_rows(session, table, new)  # with the other array-epochs of the transaction, at its commit
 
     def truncate(self, session: Session, trial_id: int, from_step: int) -> int:
         """Drop the trial's intermediate values at ``from_step`` and later; returns how many.
@@ -197,6 +199,7 @@ class StudyMirror:
         if not stale:
             return 0
         table = rdb.TrialIntermediateValueModel.__table__
+        write_pending(session, table)
         session.execute(delete(table).where(table.c.trial_id == trial_id, table.c.step >= from_step))
         # InMemoryStorage has no call that removes a value: replace the trial's copy as its
         # own setters do (under its lock, copy-on-write).

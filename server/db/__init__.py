@@ -1,7 +1,7 @@
 """fusetune's tables and the means to reach them."""
 
 from .engine import engine_kwargs, get_engine, get_optuna_storage, get_sessionmaker, upgrade
-from . import revisions  # noqa: F401  (registers the hooks that stamp trials' revisions)
+from . import bulk, revisions  # noqa: F401  (register their hooks: rows held back to commit, trials' revisions)
 from .models import (
     Array,
     ArrayMember,

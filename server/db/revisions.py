@@ -40,6 +40,8 @@ __all__ = ["current_revision", "next_revision", "touch_trials"]
 
 #: Key of the transaction's revision in ``Session.info`` (cleared when the transaction ends).
 _INFO_KEY = "fusetune.revision"
+#: Key of the trials :func:`touch_trials` will stamp at commit, in ``Session.info``.
+_TOUCHED_KEY = "fusetune.touched"
 _COUNTER_ID = 1
 _trials = Trial.__table__
 _counter = Revision.__table__
@@ -71,7 +73,18 @@ def current_revision(session: Session) -> int:
 
 def touch_trials(session: Session, trial_ids: Iterable[int]) -> None:
     """Stamp these trials (fusetune ids) as changed in this transaction, e.g. because
-    their Optuna trials got intermediate values or attrs."""
+    their Optuna trials got intermediate values or attrs.
+
+    The stamp is written as the transaction commits, with one statement for every trial
+    touched in it (the loop records several array-epochs in one transaction).
+    """
+    ids = set(trial_ids)
+    if ids:
+        session.connection()  # begins the transaction the stamps belong to, if none has begun
+        session.info.setdefault(_TOUCHED_KEY, set()).update(ids)
+
+
+def _stamp(session: Session, trial_ids: Iterable[int]) -> None:
     ids = sorted(set(trial_ids))
     if not ids:
         return
@@ -110,7 +123,14 @@ def _stamp_statements(state: ORMExecuteState) -> Any:
     return None
 
 
+@event.listens_for(Session, "before_commit")
+def _stamp_touched(session: Session) -> None:
+    _stamp(session, session.info.pop(_TOUCHED_KEY, ()))
+
+
 @event.listens_for(Session, "after_transaction_end")
 def _forget_revision(session: Session, transaction: Any) -> None:
     # Any end, savepoints too: a savepoint rolled back may have undone the counter's update.
     session.info.pop(_INFO_KEY, None)
+    if transaction.parent is None:
+        session.info.pop(_TOUCHED_KEY, None)  # ended without a commit
