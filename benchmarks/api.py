@@ -38,10 +38,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import queue
-import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -51,87 +48,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the repository root, for benchmarks._bigstudy
+from benchmarks._bigstudy import create_studies, free_port, machine, percentile, seed_trials  # noqa: E402
+
 DEFAULT_BASE = os.environ.get("FUSETUNE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 TARGETS = {"first page": ("p99", "<=", 100.0), "updated_since poll": ("p99", "<=", 50.0),
            "ingestion": ("points/s", ">=", 10_000.0), "concurrent pollers": ("p99", "<=", 200.0)}
-LR = '{"name": "FloatDistribution", "attributes": {"step": null, "low": 0.001, "high": 0.3, "log": true}}'
-HIDDEN = '{"name": "CategoricalDistribution", "attributes": {"choices": [16, 32]}}'
-
-
-def server_app() -> Any:
-    """The uvicorn factory of the benchmark's server: the real app, API only."""
-    from fusetune.server.app import create_app
-    from fusetune.server.settings import get_settings
-
-    return create_app(get_settings(), schedule=False)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))] if ordered else float("nan")
 
 
 def summary(latencies_s: list[float]) -> dict[str, float]:
     ms = [x * 1000 for x in latencies_s]
     return {"n": len(ms), "p50": percentile(ms, 50), "p95": percentile(ms, 95), "p99": percentile(ms, 99), "max": max(ms, default=float("nan"))}
-
-
-# -- seeding -------------------------------------------------------------------------------------
-def create_studies(url: str, names: list[str], n_trials: int) -> dict[str, tuple[int, int]]:
-    """Studies through the service (as POST /studies makes them): name -> (fusetune id, Optuna id)."""
-    from fusetune.server import service
-    from fusetune.server.db import Study, get_sessionmaker
-    from fusetune.server.schemas import StudyCreate
-
-    space = {"lr": json.loads(LR), "hidden": json.loads(HIDDEN)}
-    out = {}
-    with get_sessionmaker(url)() as session:
-        for name in names:
-            created = service.create_study(
-                session, url,
-                StudyCreate(workload="digits-mlp", n_trials=n_trials, epochs=100, name=name, search_space=space,
-                            sampler={"name": "RandomSampler", "kwargs": {"seed": 0}}, fusion_sampler=False),
-            )
-            out[name] = (created.id, session.get(Study, created.id).optuna_study_id)
-    return out
-
-
-def seed_trials(conn: Any, study: tuple[int, int], n: int, steps: int, waiting: int, state_of_rest: str) -> None:
-    """``n`` trials of a study in one go of INSERT ... SELECT: Optuna's trials, params (lr, hidden),
-    values (COMPLETE ones), ``steps`` intermediate values each, and fusetune's rows (revision 1).
-    The last ``waiting`` are WAITING (RUNNING in Optuna, as the service asks them)."""
-    from sqlalchemy import text
-
-    ft_id, optuna_id = study
-    p = {"sid": optuna_id, "ft": ft_id, "n": n, "w": n - waiting, "steps": steps, "lr": LR, "hidden": HIDDEN, "rest": state_of_rest}
-    conn.execute(text(
-        "INSERT INTO trials (number, study_id, state, datetime_start, datetime_complete) "
-        "SELECT g, :sid, (CASE WHEN g >= :w OR :rest <> 'COMPLETE' THEN 'RUNNING' ELSE 'COMPLETE' END)::trialstate, "
-        "now(), CASE WHEN g >= :w OR :rest <> 'COMPLETE' THEN NULL ELSE now() END FROM generate_series(0, :n - 1) g"), p)
-    conn.execute(text(
-        "INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json) "
-        "SELECT trial_id, 'lr', 0.001 + (number % 997) / 997.0 * 0.29, :lr FROM trials WHERE study_id = :sid"), p)
-    conn.execute(text(
-        "INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json) "
-        "SELECT trial_id, 'hidden', number % 2, :hidden FROM trials WHERE study_id = :sid"), p)
-    conn.execute(text(
-        "INSERT INTO trial_values (trial_id, objective, value, value_type) "
-        "SELECT trial_id, 0, round((0.5 + (hashtext(trial_id::text) & 1023) / 2048.0)::numeric, 4), 'FINITE' "
-        "FROM trials WHERE study_id = :sid AND state = 'COMPLETE'"), p)
-    if steps:
-        conn.execute(text(
-            "INSERT INTO trial_intermediate_values (trial_id, step, intermediate_value, intermediate_value_type) "
-            "SELECT t.trial_id, s, 0.3 + 0.05 * s + (hashtext(t.trial_id::text || s::text) & 255) / 10000.0, 'FINITE' "
-            "FROM trials t CROSS JOIN generate_series(0, :steps - 1) s WHERE t.study_id = :sid"), p)
-    conn.execute(text(
-        "INSERT INTO ft_trials (study_id, optuna_trial_id, number, params, signature, state, value, created_at, "
-        "started_at, completed_at, revision) "
-        "SELECT :ft, t.trial_id, t.number, json_build_object('lr', lr.param_value, 'hidden', CASE WHEN h.param_value = 0 THEN 16 ELSE 32 END), "
-        "'sig-' || (h.param_value::int)::text, CASE WHEN t.number >= :w THEN 'WAITING' ELSE :rest END, v.value, now(), "
-        "CASE WHEN t.number >= :w THEN NULL ELSE now() END, t.datetime_complete, 1 "
-        "FROM trials t JOIN trial_params lr ON lr.trial_id = t.trial_id AND lr.param_name = 'lr' "
-        "JOIN trial_params h ON h.trial_id = t.trial_id AND h.param_name = 'hidden' "
-        "LEFT JOIN trial_values v ON v.trial_id = t.trial_id AND v.objective = 0 WHERE t.study_id = :sid"), p)
 
 
 def arrays_of(url: str, study_id: int, size: int, count: int, *, start: bool) -> list[tuple[int, dict[int, int]]]:
@@ -278,12 +205,6 @@ async def _pollers(url: str, token: str, studies: list[int], n: int, interval: f
 
 
 # -- the run -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def timed_gets(http: Any, path: str, n: int, params: dict[str, Any] | None = None, check: Any = None) -> list[float]:
     for _ in range(10):  # warm: connections, plans, caches
         http.get(path, params=params).raise_for_status()
@@ -335,7 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         port = free_port()
         env = {**os.environ, "FUSETUNE_DATABASE_URL": url}
         server = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "benchmarks.api:server_app", "--host", "127.0.0.1",
+            [sys.executable, "-m", "uvicorn", "--factory", "benchmarks._bigstudy:server_app", "--host", "127.0.0.1",
              "--port", str(port), "--workers", str(args.server_workers), "--log-level", "warning", "--no-access-log",
              # Longer than a poll interval: uvicorn's 5 s default closes idle connections just as
              # a poller reuses them (a "server disconnected" error that is no server's fault).
@@ -497,16 +418,6 @@ def _cursor_at(number: int) -> str:
     from fusetune.server.pagination import encode_cursor
 
     return encode_cursor("number", [number, 0])
-
-
-def machine() -> str:
-    cpus = os.cpu_count()
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{model}, {cpus} cores, load average {load:.2f} at the start; Python {platform.python_version()}"
 
 
 def table(results: dict[str, Any]) -> str:

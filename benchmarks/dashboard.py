@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -41,90 +39,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the repository root, for benchmarks._bigstudy
+from benchmarks._bigstudy import create_studies, free_port, machine, percentile, seed_trials  # noqa: E402
+
 DEFAULT_BASE = os.environ.get("FUSETUNE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 CHROMIUM = "/usr/bin/chromium"
 TARGETS = {"interactive_s": 2.0, "update_s": 1.0}
 ROWS_KEY = "rows in the DOM at the end of the table"
-
-
-LR = '{"name": "FloatDistribution", "attributes": {"step": null, "low": 0.001, "high": 0.3, "log": true}}'
-HIDDEN = '{"name": "CategoricalDistribution", "attributes": {"choices": [16, 32]}}'
-
-
-def server_app() -> Any:
-    """The uvicorn factory of the benchmark's server: the real app, API only."""
-    from fusetune.server.app import create_app
-    from fusetune.server.settings import get_settings
-
-    return create_app(get_settings(), schedule=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def machine() -> str:
-    cpus = os.cpu_count()
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    return f"{model}, {cpus} cores, load average {os.getloadavg()[0]:.2f} at the start; Python {platform.python_version()}"
-
-
-def create_study(url: str) -> tuple[int, int]:
-    """The study, through the service as POST /studies makes it: (fusetune id, Optuna id)."""
-    from fusetune.server import service
-    from fusetune.server.db import Study, get_sessionmaker
-    from fusetune.server.schemas import StudyCreate
-
-    with get_sessionmaker(url)() as session:
-        created = service.create_study(
-            session, url,
-            StudyCreate(workload="digits-mlp", n_trials=100_000, epochs=100, name="big",
-                        search_space={"lr": json.loads(LR), "hidden": json.loads(HIDDEN)},
-                        sampler={"name": "RandomSampler", "kwargs": {"seed": 0}}, fusion_sampler=False),
-        )
-        return created.id, session.get(Study, created.id).optuna_study_id
-
-
-def seed_trials(conn: Any, study_id: int, optuna_id: int, n: int, steps: int, waiting: int) -> None:
-    """``n`` trials in a few INSERT ... SELECTs (PostgreSQL): Optuna's trials, params (lr, hidden),
-    values, ``steps`` intermediate values each, and fusetune's rows; the last ``waiting`` are
-    WAITING (RUNNING in Optuna, as the service asks them), the others COMPLETE."""
-    from sqlalchemy import text
-
-    p = {"sid": optuna_id, "ft": study_id, "n": n, "w": n - waiting, "steps": steps, "lr": LR, "hidden": HIDDEN}
-    conn.execute(text(
-        "INSERT INTO trials (number, study_id, state, datetime_start, datetime_complete) "
-        "SELECT g, :sid, (CASE WHEN g >= :w THEN 'RUNNING' ELSE 'COMPLETE' END)::trialstate, now(), "
-        "CASE WHEN g >= :w THEN NULL ELSE now() END FROM generate_series(0, :n - 1) g"), p)
-    conn.execute(text(
-        "INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json) "
-        "SELECT trial_id, 'lr', 0.001 + (number % 997) / 997.0 * 0.29, :lr FROM trials WHERE study_id = :sid"), p)
-    conn.execute(text(
-        "INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json) "
-        "SELECT trial_id, 'hidden', number % 2, :hidden FROM trials WHERE study_id = :sid"), p)
-    conn.execute(text(
-        "INSERT INTO trial_values (trial_id, objective, value, value_type) "
-        "SELECT trial_id, 0, round((0.5 + (hashtext(trial_id::text) & 1023) / 2048.0)::numeric, 4), 'FINITE' "
-        "FROM trials WHERE study_id = :sid AND state = 'COMPLETE'"), p)
-    if steps:
-        conn.execute(text(
-            "INSERT INTO trial_intermediate_values (trial_id, step, intermediate_value, intermediate_value_type) "
-            "SELECT t.trial_id, s, 0.3 + 0.05 * s + (hashtext(t.trial_id::text || s::text) & 255) / 10000.0, 'FINITE' "
-            "FROM trials t CROSS JOIN generate_series(0, :steps - 1) s WHERE t.study_id = :sid AND t.state = 'COMPLETE'"), p)
-    conn.execute(text(
-        "INSERT INTO ft_trials (study_id, optuna_trial_id, number, params, signature, state, value, created_at, "
-        "started_at, completed_at, revision) "
-        "SELECT :ft, t.trial_id, t.number, json_build_object('lr', lr.param_value, 'hidden', CASE WHEN h.param_value = 0 THEN 16 ELSE 32 END), "
-        "'sig-' || (h.param_value::int)::text, CASE WHEN t.number >= :w THEN 'WAITING' ELSE 'COMPLETE' END, v.value, now(), "
-        "CASE WHEN t.number >= :w THEN NULL ELSE now() END, t.datetime_complete, 1 "
-        "FROM trials t JOIN trial_params lr ON lr.trial_id = t.trial_id AND lr.param_name = 'lr' "
-        "JOIN trial_params h ON h.trial_id = t.trial_id AND h.param_name = 'hidden' "
-        "LEFT JOIN trial_values v ON v.trial_id = t.trial_id AND v.objective = 0 WHERE t.study_id = :sid"), p)
 
 
 #: Watches a study page for its first paint (the stamp the page sets after the frame), then
@@ -197,10 +118,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         upgrade(url)
         get_optuna_storage(url)
-        study_id, optuna_id = create_study(url)
+        study_id, optuna_id = create_studies(url, ["big"], 100_000)["big"]
         started = time.perf_counter()
         with get_engine(url).begin() as conn:
-            seed_trials(conn, study_id, optuna_id, args.trials, args.steps, waiting=100)
+            seed_trials(conn, (study_id, optuna_id), args.trials, args.steps, waiting=100)
         with create_engine(url, isolation_level="AUTOCOMMIT").connect() as conn:
             conn.execute(text("VACUUM ANALYZE"))
         results["seed_s"] = time.perf_counter() - started
@@ -212,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env = {**os.environ, "FUSETUNE_DATABASE_URL": url, "FUSETUNE_ADMIN_TOKEN": secrets.token_urlsafe(32),
                "FUSETUNE_EVENTS_POLL_INTERVAL_S": str(args.events_poll_s)}
         server = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "benchmarks.dashboard:server_app", "--host", "127.0.0.1",
+            [sys.executable, "-m", "uvicorn", "--factory", "benchmarks._bigstudy:server_app", "--host", "127.0.0.1",
              "--port", str(port), "--workers", str(args.server_workers), "--log-level", "warning", "--no-access-log"],
             cwd=ROOT, env=env,
         )
@@ -327,11 +248,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
     return results
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))] if ordered else float("nan")
 
 
 def table(results: dict[str, Any]) -> str:

@@ -40,7 +40,8 @@ def add_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]]) 
     :func:`write_pending` (a query would not see the rows yet).
     """
     if rows:
-        session.connection()  # begins the transaction the rows belong to, if none has begun
+        if not session.in_transaction():
+            session.connection()  # begins the transaction the rows belong to
         session.info.setdefault(_PENDING, {}).setdefault(table, []).extend(rows)
 
 

@@ -80,7 +80,8 @@ def touch_trials(session: Session, trial_ids: Iterable[int]) -> None:
     """
     ids = set(trial_ids)
     if ids:
-        session.connection()  # begins the transaction the stamps belong to, if none has begun
+        if not session.in_transaction():
+            session.connection()  # begins the transaction the stamps belong to
         session.info.setdefault(_TOUCHED_KEY, set()).update(ids)
 
 
