@@ -12,7 +12,16 @@ import json
 import os
 import platform
 import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LR = '{"name": "FloatDistribution", "attributes": {"step": null, "low": 0.001, "high": 0.3, "log": true}}'
 HIDDEN = '{"name": "CategoricalDistribution", "attributes": {"choices": [16, 32]}}'
@@ -24,6 +33,79 @@ def server_app() -> Any:
     from fusetune.server.settings import get_settings
 
     return create_app(get_settings(), schedule=False)
+
+
+@contextmanager
+def scratch_database(base_url: str, prefix: str) -> Iterator[str]:
+    """A new PostgreSQL database on ``base_url``'s server with fusetune's and Optuna's tables;
+    yields its URL, and drops it at the end whatever happened."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from fusetune.server.db import get_engine, get_optuna_storage, upgrade
+
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(base_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(base_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        upgrade(url)
+        get_optuna_storage(url)
+        yield url
+    finally:
+        get_engine(url).dispose()
+        get_optuna_storage.cache_clear()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def vacuum(url: str) -> None:
+    """``VACUUM ANALYZE`` after seeding, so that plans see the seeded sizes."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text("VACUUM ANALYZE"))
+    engine.dispose()
+
+
+@contextmanager
+def api_server(url: str, workers: int, env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """The real app, API only, under uvicorn with ``workers`` processes on a free loopback
+    port; yields its base URL once ``/healthz`` answers, and stops it at the end."""
+    import httpx
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--factory", "benchmarks._bigstudy:server_app", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log",
+         # Longer than a poll interval: uvicorn's 5 s default closes idle connections just as
+         # a poller reuses them (a "server disconnected" error that is no server's fault).
+         "--timeout-keep-alive", "75"],
+        cwd=ROOT, env={**os.environ, "FUSETUNE_DATABASE_URL": url, **(env or {})},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.2)
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:  # open event streams hold uvicorn's graceful stop
+            server.kill()
+            server.wait(timeout=15)
 
 
 def free_port() -> int:

@@ -43,13 +43,12 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the repository root, for benchmarks._bigstudy
-from benchmarks._bigstudy import create_studies, free_port, machine, percentile, seed_trials  # noqa: E402
+from benchmarks._bigstudy import api_server, create_studies, machine, percentile, scratch_database, seed_trials, vacuum  # noqa: E402
 
 DEFAULT_BASE = os.environ.get("FUSETUNE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 TARGETS = {"first page": ("p99", "<=", 100.0), "updated_since poll": ("p99", "<=", 50.0),
@@ -220,61 +219,36 @@ def timed_gets(http: Any, path: str, n: int, params: dict[str, Any] | None = Non
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    with scratch_database(args.base_url, "fusetune_bench") as url:
+        return measure(args, url)
+
+
+def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     import httpx
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
+    from sqlalchemy import text
 
     from fusetune.server import tenants
-    from fusetune.server.db import get_engine, get_optuna_storage, get_sessionmaker, upgrade
+    from fusetune.server.db import get_engine, get_sessionmaker
     from fusetune.server.db.revisions import current_revision
 
-    name = f"fusetune_bench_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(args.base_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(args.base_url).set(database=name).render_as_string(hide_password=False)
-    server = pollers = None
     results: dict[str, Any] = {"trials": args.trials, "steps": args.steps}
-    try:
-        upgrade(url)
-        get_optuna_storage(url)
-        live_names = [f"live-{k}" for k in range(args.reporters)]
-        studies = create_studies(url, ["big", "ingest", *live_names], 100_000)
-        started = time.perf_counter()
-        with get_engine(url).begin() as conn:
-            seed_trials(conn, studies["big"], args.trials, args.steps, waiting=100, state_of_rest="COMPLETE")
-            seed_trials(conn, studies["ingest"], args.ingest_arrays * 64, 0, waiting=args.ingest_arrays * 64, state_of_rest="RUNNING")
-            for live in live_names:
-                seed_trials(conn, studies[live], args.array_size, 0, waiting=args.array_size, state_of_rest="RUNNING")
-        with create_engine(url, isolation_level="AUTOCOMMIT").connect() as conn:
-            conn.execute(text("VACUUM ANALYZE"))
-        results["seed_s"] = time.perf_counter() - started
-        print(f"seeded {args.trials} trials x {args.steps} values in {results['seed_s']:.1f} s", flush=True)
+    live_names = [f"live-{k}" for k in range(args.reporters)]
+    studies = create_studies(url, ["big", "ingest", *live_names], 100_000)
+    started = time.perf_counter()
+    with get_engine(url).begin() as conn:
+        seed_trials(conn, studies["big"], args.trials, args.steps, waiting=100, state_of_rest="COMPLETE")
+        seed_trials(conn, studies["ingest"], args.ingest_arrays * 64, 0, waiting=args.ingest_arrays * 64, state_of_rest="RUNNING")
+        for live in live_names:
+            seed_trials(conn, studies[live], args.array_size, 0, waiting=args.array_size, state_of_rest="RUNNING")
+    vacuum(url)
+    results["seed_s"] = time.perf_counter() - started
+    print(f"seeded {args.trials} trials x {args.steps} values in {results['seed_s']:.1f} s", flush=True)
 
-        with get_sessionmaker(url)() as session:
-            token = tenants.create_token(session, "default", "benchmark").token
-        port = free_port()
-        env = {**os.environ, "FUSETUNE_DATABASE_URL": url}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "benchmarks._bigstudy:server_app", "--host", "127.0.0.1",
-             "--port", str(port), "--workers", str(args.server_workers), "--log-level", "warning", "--no-access-log",
-             # Longer than a poll interval: uvicorn's 5 s default closes idle connections just as
-             # a poller reuses them (a "server disconnected" error that is no server's fault).
-             "--timeout-keep-alive", "75"],
-            cwd=ROOT, env=env,
-        )
-        base = f"http://127.0.0.1:{port}"
-        http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=60)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if http.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.2)
+    with get_sessionmaker(url)() as session:
+        token = tenants.create_token(session, "default", "benchmark").token
+    with api_server(url, args.server_workers) as base, httpx.Client(
+        base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=60
+    ) as http:
         big = studies["big"][0]
 
         # 1. The first page of a 100k-trial study, and two others.
@@ -341,58 +315,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "--studies", ",".join(map(str, live_ids)), "--pollers", str(args.pollers),
                  "--poll-interval", str(args.poll_interval), "--duration", str(args.duration)]
         pollers = subprocess.Popen(child, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        inbox: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
-        waits: list[float] = []
-        stop = threading.Event()
+        try:
+            inbox: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
+            waits: list[float] = []
+            stop = threading.Event()
 
-        def writer() -> None:  # the scheduling loop's thread: what has arrived, in the order it came
-            done = False
-            while not done:
-                batch = [inbox.get()]
-                while not inbox.empty():
-                    batch.append(inbox.get())
-                done = batch[-1] is None
-                items = [item for item in batch if item is not None]
-                if items:
-                    live.record(*(report for report, _ in items))
-                    now = time.perf_counter()
-                    waits.extend(now - queued for _, queued in items)
+            def writer() -> None:  # the scheduling loop's thread: what has arrived, in the order it came
+                done = False
+                while not done:
+                    batch = [inbox.get()]
+                    while not inbox.empty():
+                        batch.append(inbox.get())
+                    done = batch[-1] is None
+                    items = [item for item in batch if item is not None]
+                    if items:
+                        live.record(*(report for report, _ in items))
+                        now = time.perf_counter()
+                        waits.extend(now - queued for _, queued in items)
 
-        def reporter(k: int, array_id: int) -> None:
-            time.sleep(args.report_interval * k / max(1, len(live.workers)))
-            while not stop.is_set():
-                inbox.put((live.report(array_id), time.perf_counter()))
-                stop.wait(args.report_interval)
+            def reporter(k: int, array_id: int) -> None:
+                time.sleep(args.report_interval * k / max(1, len(live.workers)))
+                while not stop.is_set():
+                    inbox.put((live.report(array_id), time.perf_counter()))
+                    stop.wait(args.report_interval)
 
-        threads = [threading.Thread(target=writer)] + [
-            threading.Thread(target=reporter, args=(k, a)) for k, a in enumerate(live.workers)
-        ]
-        for t in threads:
-            t.start()
-        time.sleep(args.duration)
-        stop.set()
-        for t in threads[1:]:
-            t.join()
-        inbox.put(None)
-        threads[0].join()
-        out, _ = pollers.communicate("recorded\n", timeout=600)
-        polled = json.loads(out.strip().splitlines()[-1])
-        results["concurrent pollers"] = {**summary(polled["latencies"]), "errors": len(polled["errors"]),
-                                         "first errors": polled["errors"][:3], "views != listing": polled["mismatches"],
-                                         "polls/s": len(polled["latencies"]) / polled["wall_s"]}
-        results["concurrent reporters"] = {**summary(waits), "reports": len(waits),
-                                           "points/s": len(waits) * args.array_size / args.duration}
-        http.close()
-    finally:
-        for proc in (pollers, server):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
-        get_engine(url).dispose()
-        get_optuna_storage.cache_clear()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+            threads = [threading.Thread(target=writer)] + [
+                threading.Thread(target=reporter, args=(k, a)) for k, a in enumerate(live.workers)
+            ]
+            for t in threads:
+                t.start()
+            time.sleep(args.duration)
+            stop.set()
+            for t in threads[1:]:
+                t.join()
+            inbox.put(None)
+            threads[0].join()
+            out, _ = pollers.communicate("recorded\n", timeout=600)
+            polled = json.loads(out.strip().splitlines()[-1])
+            results["concurrent pollers"] = {**summary(polled["latencies"]), "errors": len(polled["errors"]),
+                                             "first errors": polled["errors"][:3], "views != listing": polled["mismatches"],
+                                             "polls/s": len(polled["latencies"]) / polled["wall_s"]}
+            results["concurrent reporters"] = {**summary(waits), "reports": len(waits),
+                                               "points/s": len(waits) * args.array_size / args.duration}
+        finally:
+            if pollers.poll() is None:
+                pollers.terminate()
+                pollers.wait(timeout=30)
     return results
 
 
