@@ -31,16 +31,14 @@ import argparse
 import json
 import os
 import secrets
-import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the repository root, for benchmarks._bigstudy
-from benchmarks._bigstudy import create_studies, free_port, machine, percentile, seed_trials  # noqa: E402
+from benchmarks._bigstudy import api_server, create_studies, machine, percentile, scratch_database, seed_trials, vacuum  # noqa: E402
 
 DEFAULT_BASE = os.environ.get("FUSETUNE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 CHROMIUM = "/usr/bin/chromium"
@@ -100,55 +98,29 @@ def end_trial_with_event(url: str, study_id: int, value: float) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import httpx
+    with scratch_database(args.base_url, "fusetune_dash") as url:
+        return measure(args, url)
+
+
+def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
 
     from fusetune.server import tenants
-    from fusetune.server.db import get_engine, get_optuna_storage, get_sessionmaker, upgrade
+    from fusetune.server.db import get_engine, get_sessionmaker
 
-    name = f"fusetune_dash_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(args.base_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(args.base_url).set(database=name).render_as_string(hide_password=False)
     results: dict[str, Any] = {"trials": args.trials, "steps": args.steps}
-    server = None
-    try:
-        upgrade(url)
-        get_optuna_storage(url)
-        study_id, optuna_id = create_studies(url, ["big"], 100_000)["big"]
-        started = time.perf_counter()
-        with get_engine(url).begin() as conn:
-            seed_trials(conn, (study_id, optuna_id), args.trials, args.steps, waiting=100)
-        with create_engine(url, isolation_level="AUTOCOMMIT").connect() as conn:
-            conn.execute(text("VACUUM ANALYZE"))
-        results["seed_s"] = time.perf_counter() - started
-        print(f"seeded {args.trials} trials x {args.steps} values in {results['seed_s']:.1f} s", flush=True)
-        with get_sessionmaker(url)() as session:
-            token = tenants.create_token(session, "default", "benchmark").token
+    study_id, optuna_id = create_studies(url, ["big"], 100_000)["big"]
+    started = time.perf_counter()
+    with get_engine(url).begin() as conn:
+        seed_trials(conn, (study_id, optuna_id), args.trials, args.steps, waiting=100)
+    vacuum(url)
+    results["seed_s"] = time.perf_counter() - started
+    print(f"seeded {args.trials} trials x {args.steps} values in {results['seed_s']:.1f} s", flush=True)
+    with get_sessionmaker(url)() as session:
+        token = tenants.create_token(session, "default", "benchmark").token
 
-        port = free_port()
-        env = {**os.environ, "FUSETUNE_DATABASE_URL": url, "FUSETUNE_ADMIN_TOKEN": secrets.token_urlsafe(32),
-               "FUSETUNE_EVENTS_POLL_INTERVAL_S": str(args.events_poll_s)}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "benchmarks._bigstudy:server_app", "--host", "127.0.0.1",
-             "--port", str(port), "--workers", str(args.server_workers), "--log-level", "warning", "--no-access-log"],
-            cwd=ROOT, env=env,
-        )
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.2)
-
+    env = {"FUSETUNE_ADMIN_TOKEN": secrets.token_urlsafe(32), "FUSETUNE_EVENTS_POLL_INTERVAL_S": str(args.events_poll_s)}
+    with api_server(url, args.server_workers, env) as base:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM)
             context = browser.new_context(viewport={"width": 1280, "height": 800})
@@ -231,22 +203,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["memory after every tab twice"] = heap(cdp)
             results["page errors"] = errors
             browser.close()
-    finally:
-        if server is not None:
-            server.terminate()
-            try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:  # open event streams hold uvicorn's graceful stop
-                server.kill()
-                server.wait(timeout=15)
-        from fusetune.server.db import get_engine as _engine
-
-        if _engine.cache_info().currsize:
-            _engine(url).dispose()
-        get_optuna_storage.cache_clear()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
     return results
 
 
