@@ -73,20 +73,30 @@ def vacuum(url: str) -> None:
 
 @contextmanager
 def api_server(url: str, workers: int, env: Mapping[str, str] | None = None) -> Iterator[str]:
-    """The real app, API only, under uvicorn with ``workers`` processes on a free loopback
-    port; yields its base URL once ``/healthz`` answers, and stops it at the end."""
+    """The real app, API only, in ``workers`` uvicorn processes sharing one loopback socket;
+    yields its base URL once ``/healthz`` answers, and stops them at the end.
+
+    The socket is made here, not by ``uvicorn --workers``: uvicorn's supervisor binds it with
+    ``proto`` 0, so asyncio never sets TCP_NODELAY on the connections it accepts, and every
+    keep-alive request after a connection's first waits ~40 ms for the client's delayed ACK
+    (Kludex/uvicorn#3149, open). A socket made from its fd in each worker reads its real
+    protocol back, and the accepted connections get TCP_NODELAY as with one worker.
+    """
     import httpx
 
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--factory", "benchmarks._bigstudy:server_app", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log",
-         # Longer than a poll interval: uvicorn's 5 s default closes idle connections just as
-         # a poller reuses them (a "server disconnected" error that is no server's fault).
-         "--timeout-keep-alive", "75"],
-        cwd=ROOT, env={**os.environ, "FUSETUNE_DATABASE_URL": url, **(env or {})},
-    )
-    base = f"http://127.0.0.1:{port}"
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(2048)
+    base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    fd = listener.fileno()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"from benchmarks._bigstudy import _serve; _serve({fd})"], cwd=ROOT, pass_fds=(fd,),
+            env={**os.environ, "FUSETUNE_DATABASE_URL": url, **(env or {})},
+        )
+        for _ in range(workers)
+    ]
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -95,17 +105,33 @@ def api_server(url: str, workers: int, env: Mapping[str, str] | None = None) -> 
                     break
             except httpx.TransportError:
                 pass
-            if server.poll() is not None or time.monotonic() > deadline:
+            if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
             time.sleep(0.2)
         yield base
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:  # open event streams hold uvicorn's graceful stop
-            server.kill()
-            server.wait(timeout=15)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:  # open event streams hold uvicorn's graceful stop
+                proc.kill()
+                proc.wait(timeout=15)
+        listener.close()
+
+
+def _serve(fd: int) -> None:
+    """One worker process of :func:`api_server`: uvicorn serving the app on the inherited socket."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        server_app, factory=True, log_level="warning", access_log=False,
+        # Longer than a poll interval: uvicorn's 5 s default closes idle connections just as
+        # a poller reuses them (a "server disconnected" error that is no server's fault).
+        timeout_keep_alive=75,
+    )
+    uvicorn.Server(config).run(sockets=[socket.socket(fileno=fd)])
 
 
 def free_port() -> int:
