@@ -2,7 +2,8 @@
 
 * request bodies: at most ``FUSETUNE_MAX_BODY_BYTES`` (413), JSON on write routes (415)
   (:mod:`fusetune.server.api.limits`);
-* a database that cannot be reached is a 503 naming the reason, on every route, never a 500;
+* a database that cannot be reached is a 503 naming the reason, on every route, never a 500, and
+  so is a connection pool that stayed busy for its whole timeout (overload; with Retry-After);
 * a 405's ``Allow`` lists every method of the path (:func:`errors.method_not_allowed`);
 * the event streams (:mod:`fusetune.server.api.events`) and ``GET /metrics``
   (:mod:`fusetune.server.api.ops`, :mod:`fusetune.server.metrics`), with every request timed;
@@ -17,6 +18,7 @@ import sqlite3
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as SATimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fusetune.server.api import events, ops
@@ -60,4 +62,11 @@ def install(app: FastAPI) -> None:
         return JSONResponse(status_code=503, content={"detail": f"the database is unreachable: {ops._reason(exc)}"})
 
     app.add_exception_handler(OperationalError, database_unreachable)
+
+    async def pool_exhausted(_: Request, exc: Exception) -> JSONResponse:
+        # Every connection of the pool stayed busy for its whole timeout: the server is
+        # overloaded, not broken. A 503 with Retry-After lets a client back off and retry.
+        return JSONResponse(status_code=503, content={"detail": f"the server is overloaded: {exc}"}, headers={"Retry-After": "1"})
+
+    app.add_exception_handler(SATimeoutError, pool_exhausted)
     document_errors(app)

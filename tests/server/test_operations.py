@@ -317,3 +317,24 @@ def test_events_past_the_retention_are_pruned(database_url: str) -> None:
         assert events.prune(session, retention_s=7 * 24 * 3600) == 1
         session.commit()
         assert [e.kind for e in session.scalars(select(Event))] == ["trial.started"]
+
+
+def test_a_connection_pool_busy_for_its_whole_timeout_is_a_503_with_retry_after(tmp_path: Path) -> None:
+    """Overload (every pooled connection checked out past the pool's timeout) is not a bug: 503."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from fusetune.server.app import create_app
+    from fusetune.server.settings import Settings
+
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'pool.db'}"), schedule=False)
+    small = sa.create_engine(f"sqlite:///{tmp_path / 'pool.db'}", pool_size=1, max_overflow=0, pool_timeout=0.05)
+    with small.connect(), pytest.raises(sa.exc.TimeoutError) as exhausted:
+        small.connect()
+    small.dispose()
+    handler = app.exception_handlers[sa.exc.TimeoutError]
+    response = asyncio.run(handler(Request({"type": "http", "method": "GET", "path": "/api/v1/studies", "headers": []}), exhausted.value))
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert json.loads(response.body)["detail"].startswith("the server is overloaded: QueuePool limit")
