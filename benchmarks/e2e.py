@@ -354,7 +354,11 @@ def study_arrays(server: FusetuneServer, study_id: int, timeout: float = 30.0) -
     """The study's arrays once none is RUNNING (an array's record may close just after its last trial)."""
     deadline = time.monotonic() + timeout
     while True:
-        arrays = server.client.get("/api/v1/arrays", params={"study_id": study_id}).raise_for_status().json()
+        arrays, url, params = [], "/api/v1/arrays", {"study_id": study_id, "limit": 1000}
+        while url is not None:  # every page (the Link header's next)
+            response = server.client.get(url, params=params).raise_for_status()
+            arrays += response.json()
+            url, params = response.links.get("next", {}).get("url"), None
         if all(a["state"] != "RUNNING" for a in arrays) or time.monotonic() > deadline:
             return arrays
         time.sleep(0.1)
