@@ -48,6 +48,7 @@ class WorkerHandle:
     ping: tuple[ray.ObjectRef, float] | None = field(default=None, repr=False)  # a heartbeat in flight, sent at
     last_ping: float = 0.0
     hung: bool = False  # killed for answering no heartbeat
+    coming_up: ray.ObjectRef | None = field(default=None, repr=False)  # its first info() call, until it answers
 
     @property
     def idle(self) -> bool:
@@ -133,8 +134,13 @@ class WorkerPool:
             self._starting.append(self._start(f"{self.name_prefix}-{device_type}-{index}", device_type, threads, node_id))
         # Workers come up once Ray has their resources: the first refresh waits up to
         # timeout_s for them; those still pending (their CPUs are another pool's for now)
-        # join at a later refresh, when they have.
-        pending = {w.actor.info.remote(): w for w in self._starting}
+        # join at a later refresh, when they have. Each is asked once and its answer awaited
+        # across refreshes: a call made anew at each refresh, waited for 0 s, never comes back
+        # in time, and the worker never joined.
+        for w in self._starting:
+            if w.coming_up is None:
+                w.coming_up = w.actor.info.remote()
+        pending = {w.coming_up: w for w in self._starting}
         wait = self.timeout_s if not self.workers else 0.0
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait) if pending else ([], [])
         started = []
@@ -142,6 +148,7 @@ class WorkerPool:
         for ref in ready:
             worker = pending[ref]
             self._starting.remove(worker)
+            worker.coming_up = None
             try:
                 self._describe(worker, max(1, per_node.get(worker.node_id, 1)), ref)
             except Exception as exc:  # it died coming up: a later refresh starts another
