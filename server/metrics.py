@@ -120,16 +120,26 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status: dict[str, Any] = {"code": 500}
+        status: dict[str, Any] = {"code": 500, "observed": False}
+
+        def observe() -> None:
+            if not status["observed"]:
+                status["observed"] = True
+                metrics: Metrics = self.fastapi.state.metrics
+                route = self._route(scope["method"], scope["path"])
+                metrics.requests.labels(scope["method"], route, str(status["code"])).observe(time.perf_counter() - start)
 
         async def record(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                # Observed before the last byte goes out, so that a client that has read a
+                # response always finds it counted by its next scrape; observing after
+                # the app returned raced that scrape (a KeyError in CI).
+                observe()
             await send(message)
 
         try:
             await self.app(scope, receive, record)
         finally:
-            metrics: Metrics = self.fastapi.state.metrics
-            route = self._route(scope["method"], scope["path"])
-            metrics.requests.labels(scope["method"], route, str(status["code"])).observe(time.perf_counter() - start)
+            observe()  # a request that failed, or whose client left, before its last byte
