@@ -389,12 +389,25 @@ def solve_allocation(
     """
     if policy not in ("max_min", "oef", "oef_noncooperative"):
         raise ValueError(f"unknown fairness policy {policy!r}")
-    e, _, saturated, secs = equal_share_utilities(p)
     v = _variables(p)
     sol: np.ndarray | None = None
     prefer = np.zeros(v.size)
     if incumbent is not None and v.size:
         prefer = _STICKINESS * float(v.rate.mean()) * (np.asarray(incumbent)[v.cls, v.typ] > 0)
+    if v.size and np.unique(p.class_tenant[p.demand > 0]).size == 1:
+        # One tenant with demand: its equal share is every device, so the sharing incentive
+        # and envy-freeness hold for any allocation and every policy is the max-utility LP
+        # over the whole cluster, the equal-share LP itself: solved once (with the incumbent
+        # tie-break) instead of twice. A sweep of one user pays this every scheduling round.
+        caps = _shares(p)[:, None] * p.capacity[None, :]
+        a, b = _base_constraints(p, v, caps, per_tenant_caps=True)
+        sol, secs = _linprog(-(v.rate + prefer), a, b)
+        if sol is not None:
+            sol = np.maximum(sol, 0.0)
+            x, held = _scatter(p, v, sol)
+            e = np.asarray(_utility_matrix(p, v) @ sol).ravel()
+            return _allocation(p, v, sol, x, held, e, ~_unmet_tenants(p, v, held), secs)
+    e, _, saturated, secs = equal_share_utilities(p)
     if v.size:
         if policy == "max_min":
             sol, s = _max_min(p, v, e, prefer)
@@ -410,6 +423,13 @@ def solve_allocation(
             secs += s
     sol = np.maximum(sol, 0.0) if sol is not None else np.zeros(v.size)
     x, held = _scatter(p, v, sol)
+    return _allocation(p, v, sol, x, held, e, saturated, secs)
+
+
+def _allocation(
+    p: AllocationProblem, v: _Vars, sol: np.ndarray, x: np.ndarray, held: np.ndarray,
+    e: np.ndarray, saturated: np.ndarray, secs: float,
+) -> Allocation:
     u = np.asarray(_utility_matrix(p, v) @ sol).ravel() if v.size else np.zeros(p.n_tenants)
     with np.errstate(divide="ignore", invalid="ignore"):
         members = np.where(x > 1e-9, held / np.where(x > 1e-9, x, 1.0), 0.0)

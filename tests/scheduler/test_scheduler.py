@@ -262,3 +262,46 @@ def test_degenerate_rounds(policy: str) -> None:
     # A running record that disagrees with the trial's signature is not trusted.
     fixed = sched.decide(0.0, [PendingTrial(1, "s", "x")], [Device("a", "cpu")], [], [Placement("a", "t", "x", (1,), 5.0)])
     assert [(p.signature, p.trial_ids) for p in fixed.placements] == [("s", (1,))]
+
+
+@st.composite
+def one_tenant_problems(draw: st.DrawFn):
+    """Allocation problems where one tenant has demand (others may exist, idle)."""
+    from fusetune.scheduler._allocation import AllocationProblem
+
+    tenants, classes, types, options = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    members = np.zeros((classes, types, options))
+    rate = np.zeros((classes, types, options))
+    for c in range(classes):
+        for g in range(types):
+            solo = draw(st.sampled_from([0.5, 1.0, 2.0]))
+            for k in range(options):
+                members[c, g, k] = 2**k
+                rate[c, g, k] = solo * (2**k) ** draw(st.sampled_from([0.5, 0.8, 1.0]))
+    owner = draw(st.integers(0, tenants - 1))
+    class_tenant = np.array([owner if c == 0 or draw(st.booleans()) else (owner + 1) % tenants for c in range(classes)])
+    demand = np.array([float(draw(st.integers(1, 20))) if class_tenant[c] == owner else 0.0 for c in range(classes)])
+    return AllocationProblem(
+        weights=np.array([float(draw(st.sampled_from([1, 2, 3]))) for _ in range(tenants)]),
+        capacity=np.array([float(draw(st.integers(1, 4))) for _ in range(types)]),
+        class_tenant=class_tenant, rate=rate, members=members, demand=demand,
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=one_tenant_problems(), policy=st.sampled_from(["max_min", "oef", "oef_noncooperative"]))
+def test_one_tenant_with_demand_gets_the_best_allocation_of_the_whole_cluster(problem, policy: str) -> None:
+    """Every fairness policy reduces to the max-utility LP for one tenant with demand: the
+    allocation (solved as that one LP) is feasible and as good as the cluster allows,
+    up to the incumbent tie-break."""
+    from fusetune.scheduler._allocation import equal_share_utilities, solve_allocation
+
+    incumbent = np.ones((problem.n_classes, problem.n_types))
+    allocation = solve_allocation(problem, policy, incumbent)
+    best, _, _, _ = equal_share_utilities(problem)  # one tenant's equal share is every device
+    owner = int(problem.class_tenant[problem.demand > 0][0])
+    assert allocation.utility[owner] >= best[owner] * (1 - 2e-3) - 1e-9
+    assert allocation.utility[owner] <= best[owner] * (1 + 1e-6) + 1e-9
+    assert np.all(allocation.devices.sum(axis=0) <= problem.capacity + 1e-6)
+    held = (allocation.devices * allocation.members).sum(axis=1)
+    assert np.all(held <= problem.demand + 1e-6)
