@@ -79,6 +79,10 @@ _MAX_DB_RETRY_S = 5.0
 # Most array-epochs one transaction records: a bounded transaction (and rollback) when many
 # workers report at once.
 _GROUP_COMMIT = 64
+# Members this many epochs (or fewer) from their last are offered a successor at once, to
+# join where they leave: the offer must reach the worker before that boundary, and two
+# epochs of a small model outlast a scheduling round on a busy machine where one may not.
+_LOOKAHEAD_EPOCHS = 2
 
 
 def database_unavailable(exc: BaseException) -> bool:
@@ -416,13 +420,37 @@ class Coordinator(StudyLifecycle):
         return ended
 
     def _answer(self, worker: WorkerHandle, report: EpochReport, reply: EpochReply | None) -> bool:
-        """Send a recorded report's reply; returns whether members left the array."""
+        """Send a recorded report's reply; returns whether members left the array, or will
+        leave it within ``_LOOKAHEAD_EPOCHS`` epochs (see :meth:`_finishing`)."""
+        # A member becomes one of those once, at this many epochs from its last; members that
+        # end where newcomers were offered to join free nothing a round could fill.
+        ahead = min(_LOOKAHEAD_EPOCHS, worker.spec.epochs - 1) if worker.spec is not None else 0
+        live = self._live.get(report.array_id)
+        replaced = 0
+        if live is not None:
+            replaced = live.ahead[live.epochs_done]
+            for boundary in [b for b in live.ahead if b <= live.epochs_done]:
+                del live.ahead[boundary]
+        freed = bool(
+            report.released
+            or sum(1 for m in report.members if m.state) > replaced
+            or any(ahead > 0 and worker.spec.epochs - 1 - m.step == ahead for m in report.members)
+        )
         if reply is None:  # the client decides: the reply goes when it has
-            return bool(report.released or any(m.state for m in report.members))
-        # Every report is answered: the reply decides pruning (studies with a pruner wait for
-        # it) and acknowledges that the report, and the checkpoints it named, are recorded.
+            return freed
+        # The reply decides pruning (studies with a pruner wait for it) and acknowledges that
+        # the report, and the checkpoints it named, are recorded. A worker that does not wait
+        # needs it only to drop the checkpoints a new one replaces: other reports are
+        # acknowledged together by the next reply sent (a remote call saved per array-epoch).
+        waits = worker.spec is None or worker.spec.prunes
+        if live is not None and not (waits or reply.prune or report.released or live.new_checkpoint):
+            live.unacked += 1
+            return freed
+        if live is not None:
+            reply = dataclasses.replace(reply, acked=reply.acked + live.unacked)
+            live.unacked, live.new_checkpoint = 0, False
         self.pool.reply(worker, reply)
-        return bool(reply.prune or report.released or any(m.state for m in report.members))
+        return bool(reply.prune) or freed
 
     def _handle_one(self, worker: WorkerHandle, spec: ArraySpec, item: EpochReport | ArrayOutcome | BaseException) -> bool:
         if isinstance(item, EpochReport):
@@ -598,27 +626,42 @@ class Coordinator(StudyLifecycle):
         returns the placements fair across tenants (by weight) and across device types. A
         placement on an idle device starts an array; waiting trials the scheduler adds to a
         running array's placement (slots its ended members freed) are offered to that array
-        and join it at its next epoch boundary. Members the scheduler preempts (their lease ran
-        out and their class is over its share) leave at their array's next epoch boundary.
+        and join it at its next epoch boundary; those that take the places of members on
+        their last ``_LOOKAHEAD_EPOCHS`` epochs join at the boundary where those leave. Members
+        the scheduler preempts (their lease ran out and their class is over its share) leave
+        at their array's next epoch boundary.
         """
         idle = {w.name: w for w in self.pool.idle()}
-        rows = session.execute(
-            select(Trial, Study)
-            .join(Study, Trial.study_id == Study.id)
-            .where(Study.state == StudyState.RUNNING, Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
-            .order_by(Study.id, Trial.number)
-        ).all()
+        # The columns a decision needs, not ORM trials (their params are JSON to decode):
+        # a round reads every unfinished trial, and runs after every array-epoch that frees
+        # a slot. The trials an array takes are loaded as objects (_trials).
+        studies = {s.id: s for s in session.scalars(select(Study).where(Study.state == StudyState.RUNNING))}
+        rows = [
+            (t, studies[t.study_id])
+            for t in session.execute(
+                select(Trial.id, Trial.study_id, Trial.number, Trial.signature, Trial.state, Trial.array_id)
+                .join(Study, Trial.study_id == Study.id)
+                .where(Study.state == StudyState.RUNNING, Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
+                .order_by(Study.id, Trial.number)
+            )
+            if t.study_id in studies
+        ]
         waiting = {t.id: (t, study) for t, study in rows if t.array_id is None and t.state == TrialState.WAITING}
         if not waiting:
             return
+        finishing = self._finishing(rows)
         pending = [
             PendingTrial(trial_id=t.id, signature=_class_of(t), tenant=study.tenant, study_id=study.id, remaining_epochs=study.epochs)
             for t, study in rows
+            if t.id not in finishing
         ]
         weights = [SchedulerTenant(name, weight) for name, weight in session.execute(select(Tenant.name, Tenant.weight))]
         devices = [Device(w.name, w.device_type, w.memory_bytes, w.node) for w in self.pool.workers]
         self._curve_classes({p.signature for p in pending}, {d.device_type for d in devices})
-        decision = self.scheduler.decide(time.monotonic(), pending, devices, weights, list(self._running.values()))
+        # Members on their last epochs are done as far as the scheduler is concerned: the
+        # slots they free are offered now, to be taken where they leave (_top_up).
+        running = [dataclasses.replace(p, trial_ids=tuple(i for i in p.trial_ids if i not in finishing)) for p in self._running.values()]
+        decision = self.scheduler.decide(time.monotonic(), pending, devices, weights, running)
         busy = {w.name: w for w in self.pool.workers if not w.idle}
         self._preempt(decision.preempted, busy, rows)
         for placement in decision.placements:  # leases the scheduler extended
@@ -626,6 +669,7 @@ class Coordinator(StudyLifecycle):
             if placement.device_id in busy and current is not None and current.signature == placement.signature:
                 self._running[placement.device_id] = dataclasses.replace(current, lease_expires=placement.lease_expires)
         placements = self._spread_classes(decision.placements, idle, waiting)
+        topped: set[str] = set()
         starts = Counter(p.signature for p in placements if p.device_id in idle and any(i in waiting for i in p.trial_ids))
         for placement in placements:
             ids = [i for i in placement.trial_ids if i in waiting]
@@ -646,30 +690,71 @@ class Coordinator(StudyLifecycle):
                 starts[placement.signature] -= 1
                 fits = self.scheduler.throughput.curve(placement.signature, worker.device_type).memory_cap(worker.memory_bytes)
                 cap = max(cap, min(limit, share, fits))
-                cap = min(cap, self._size_cap(placement.signature, worker, queue[0].trial_id, waiting))
-                members = [waiting.pop(i)[0] for i in pack(queue, cap)[0].trial_ids]
+                cap = min(cap, self._size_cap(session, placement.signature, worker, queue[0].trial_id, waiting))
+                members = self._trials(session, [waiting.pop(i)[0].id for i in pack(queue, cap)[0].trial_ids])
                 self._start_array(session, study, worker, members)
                 self._running[worker.name] = Placement(
                     worker.name, placement.signature, study.tenant, tuple(t.id for t in members), placement.lease_expires
                 )
             elif placement.device_id in busy and getattr(self._running.get(placement.device_id), "signature", None) == placement.signature:
-                # Only slots its ended members freed: the array keeps the size it started with.
-                spec = busy[placement.device_id].spec
-                present = [t.id for t, _ in rows if t.array_id == spec.array_id]
-                if not present:
-                    # Every member has ended: the array stops at this boundary, and an offer
-                    # would arrive too late and wait for it to end. Its worker takes a new one.
-                    continue
-                joining = [waiting.pop(i)[0] for i in ids[: max(0, min(cap, len(spec.members)) - len(present))]]
-                if joining:
-                    self._refill(session, busy[placement.device_id], spec.array_id, joining)
-                    self._running[placement.device_id] = Placement(
-                        placement.device_id, placement.signature, study.tenant,
-                        tuple(present + [t.id for t in joining]), placement.lease_expires,
-                    )
+                self._top_up(session, busy[placement.device_id], ids, cap, rows, waiting, finishing)
+                topped.add(placement.device_id)
+        # A busy array whose members are on their last epochs keeps its class where they leave,
+        # when the scheduler gave the device to no other tenant and the class has trials
+        # waiting: the worker goes on with them instead of waiting for a round, an array and
+        # a build.
+        given = {p.device_id: p for p in placements}
+        for name, worker in busy.items():
+            current = self._running.get(name)
+            if name in topped or current is None or worker.spec is None:
+                continue
+            if name in given and given[name].tenant != current.tenant:
+                continue
+            queue = [i for i, (t, _) in waiting.items() if _class_of(t) == current.signature]
+            if queue:
+                study = waiting[queue[0]][1]
+                self._top_up(session, worker, queue, study.max_array_size or self.settings.max_array_size, rows, waiting, finishing, chain=True)
+
+    def _top_up(
+        self, session: Session, worker: WorkerHandle, ids: Sequence[int], cap: int, rows: Sequence[Any],
+        waiting: dict[int, tuple[Any, Study]], finishing: Mapping[int, int], chain: bool = False,
+    ) -> None:
+        """Offer waiting trials ``ids`` to the array ``worker`` trains: as many as its ended
+        members freed (they join at its next boundary), and as many as its members on their
+        last epoch will free (they join at the boundary after that epoch, where those
+        members leave: an array of one goes on as a chain of trials on one worker). The
+        array never holds more than the size it started with (or ``cap``). With ``chain``,
+        only the places of members on their last epoch are offered."""
+        spec = worker.spec
+        present = [t.id for t, _ in rows if t.array_id == spec.array_id]
+        if chain and not any(i in finishing for i in present):
+            return
+        if not present:
+            # Every member has ended: the array stops at this boundary, and an offer would
+            # arrive too late and wait for it to end. Its worker takes a new one.
+            return
+        size = min(cap, len(spec.members))
+        # The boundaries (epochs of the array) where its members on their last epochs leave.
+        ends = sorted(finishing[i] for i in present if i in finishing)
+        now_free = 0 if chain else max(0, size - len(present))
+        later = max(0, size - (len(present) - len(ends)) - now_free)  # offered newcomers count as staying
+        joining = self._trials(session, [waiting.pop(i)[0].id for i in ids[: now_free + later]])
+        if not joining:
+            return
+        if joining[:now_free]:
+            self._refill(session, worker, spec.array_id, joining[:now_free])
+        # Each takes the place of a member that leaves at a boundary: the latest ones, so that
+        # the array never holds more than its size even when earlier places were offered before.
+        afters = ends[len(ends) - len(joining[now_free:]):]
+        for after in sorted(set(afters)):
+            group = [t for t, a in zip(joining[now_free:], afters, strict=True) if a == after]
+            self._refill(session, worker, spec.array_id, group, after_epoch=after)
+            self._live[spec.array_id].ahead[after] += len(group)
+        current = self._running[worker.name]
+        self._running[worker.name] = dataclasses.replace(current, trial_ids=tuple(present + [t.id for t in joining]))
 
     def _spread_classes(
-        self, placements: Sequence[Placement], idle: Mapping[str, WorkerHandle], waiting: Mapping[int, tuple[Trial, Study]]
+        self, placements: Sequence[Placement], idle: Mapping[str, WorkerHandle], waiting: Mapping[int, tuple[Any, Study]]
     ) -> list[Placement]:
         """Give an idle device the scheduler put a class on that needs no more arrays to
         another waiting class of the same tenant that got no device this round.
@@ -700,6 +785,26 @@ class Coordinator(StudyLifecycle):
             out.append(p)
         return out
 
+    @staticmethod
+    def _trials(session: Session, ids: Sequence[int]) -> list[Trial]:
+        """The trials ``ids`` as ORM objects, in that order (one query)."""
+        if not ids:
+            return []
+        found = {t.id: t for t in session.scalars(select(Trial).where(Trial.id.in_(ids)))}
+        return [found[i] for i in ids]
+
+    def _finishing(self, rows: Sequence[Any]) -> dict[int, int]:
+        """Running members with at most ``_LOOKAHEAD_EPOCHS`` epochs left after their last
+        recorded step, each with the boundary (its array's epoch count) where it leaves,
+        unless it is pruned or its array stops first."""
+        out = {}
+        for trial, study in rows:
+            live = self._live.get(trial.array_id) if trial.state == TrialState.RUNNING else None
+            step = live.steps.get(trial.id) if live is not None else None
+            if step is not None and 0 < study.epochs - 1 - step <= _LOOKAHEAD_EPOCHS:
+                out[trial.id] = live.epochs_done + study.epochs - 1 - step
+        return out
+
     def _preempt(self, preempted: Sequence[int], busy: Mapping[str, WorkerHandle], rows: Sequence[Any]) -> None:
         """Ask arrays to let go of the members the scheduler took off them.
 
@@ -724,8 +829,9 @@ class Coordinator(StudyLifecycle):
                 )
             log.info("worker %s: %d members leave at the next epoch boundary (preempted)", name, len(ids))
 
-    def _refill(self, session: Session, worker: WorkerHandle, array_id: int, trials: list[Trial]) -> None:
-        """Offer waiting trials to a running array: they join it at its next epoch boundary."""
+    def _refill(self, session: Session, worker: WorkerHandle, array_id: int, trials: list[Trial], after_epoch: int = 0) -> None:
+        """Offer waiting trials to a running array: they join it at its first epoch boundary
+        after ``after_epoch`` epochs of it (0: its next one)."""
         array = session.get(Array, array_id)
         first = len(array.members)
         array.members.extend(ArrayMember(slot=first + k, trial_id=t.id) for k, t in enumerate(trials))
@@ -737,8 +843,8 @@ class Coordinator(StudyLifecycle):
         )
         session.commit()
         self._live[array_id].optuna_ids.update({t.id: t.optuna_trial_id for t in trials})
-        self.pool.offer(worker, [_member_spec(t) for t in trials])
-        log.info("array %d: %d trials join at the next epoch boundary", array_id, len(trials))
+        self.pool.offer(worker, [_member_spec(t) for t in trials], after_epoch)
+        log.info("array %d: %d trials join at the %s epoch boundary", array_id, len(trials), "next" if not after_epoch else f"{after_epoch}th")
 
     def _start_array(self, session: Session, study: Study, worker: WorkerHandle, trials: list[Trial]) -> None:
         array = Array(
@@ -801,7 +907,7 @@ class Coordinator(StudyLifecycle):
             try:
                 for worker, report in reports:
                     live = self._live[report.array_id]
-                    restore.append((live, live.epochs_done, dict(live.timings), dict(live.checkpoints), set(live.announced)))
+                    restore.append((live, live.epochs_done, dict(live.timings), dict(live.checkpoints), set(live.announced), dict(live.steps)))
                     decided.append(self._write_epoch(session, worker, report, live))
                 self._write_observed(session)
                 session.commit()
@@ -813,7 +919,7 @@ class Coordinator(StudyLifecycle):
                 self._observed.clear()
                 for live, *before in reversed(restore):  # so that a retry writes the same
                     self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
-                    live.epochs_done, live.timings, live.checkpoints, live.announced = before
+                    live.epochs_done, live.timings, live.checkpoints, live.announced, live.steps = before
                 raise
         replies: list[EpochReply | None] = []
         for (worker, report), (prune, awaiting) in zip(reports, decided):
@@ -865,6 +971,7 @@ class Coordinator(StudyLifecycle):
                 mirror.set_user_attrs(session, optuna_id[joined.trial_id], {"resumed_at_epochs": [*resumed, joined.resumed_at_epoch]})
         self._truncate_resumed(session, mirror, report, optuna_id)
         mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
+        live.steps.update((m.trial_id, m.step) for m in report.members)
         # Their Optuna trials got a value: pollers (updated_since) read them again.
         touch_trials(session, [m.trial_id for m in report.members])
         self._note_checkpoints(session, live, report)
@@ -904,8 +1011,11 @@ class Coordinator(StudyLifecycle):
         self._observe(worker.spec.signature, worker.device_type, report, warm=live.epochs_done > 0)
         live.epochs_done += 1
         live.timings = _add_timings(live.timings, report.timings)
-        session.execute(
-            update(Array).where(Array.id == report.array_id).values(epochs_done=live.epochs_done, timings=live.timings)
+        # Core statements for the rows no ORM hook watches (server/db/revisions.py stamps
+        # trials): a fraction of the ORM update's cost, paid on every array-epoch.
+        arrays = Array.__table__
+        session.connection().execute(
+            update(arrays).where(arrays.c.id == report.array_id).values(epochs_done=live.epochs_done, timings=live.timings)
         )
         if report.joined or report.released or ended:
             events.record(
@@ -978,6 +1088,7 @@ class Coordinator(StudyLifecycle):
             if epoch is not None and member.state is None and live.checkpoints.get(member.trial_id) != epoch:
                 session.execute(update(Trial).where(Trial.id == member.trial_id).values(checkpoint_epoch=epoch))
                 live.checkpoints[member.trial_id] = epoch
+                live.new_checkpoint = True
 
     def _split_on_oom(self, session: Session, worker: WorkerHandle, array: Array, result: ArrayOutcome | BaseException) -> bool:
         """An array that ran out of memory with more than one member is split: True.
@@ -997,7 +1108,9 @@ class Coordinator(StudyLifecycle):
         log.warning("array %d ran out of memory with %d members: retrying in arrays of %d", array.id, running, self._oom_caps[key])
         return True
 
-    def _size_cap(self, cls: str, worker: WorkerHandle, trial_id: int, waiting: Mapping[int, tuple[Trial, Study]]) -> int:
+    def _size_cap(
+        self, session: Session, cls: str, worker: WorkerHandle, trial_id: int, waiting: Mapping[int, tuple[Any, Study]]
+    ) -> int:
         """The most members an array of ``cls`` may have on ``worker``: half of the size that ran out
         of memory there, and with a memory budget, what the fusion engine's memory model fits in it."""
         cap = self._oom_caps.get((cls, worker.device_type), self.settings.max_array_size)
@@ -1007,7 +1120,8 @@ class Coordinator(StudyLifecycle):
         trial, study = waiting[trial_id]
         if trial.signature not in self._memory_models:
             try:
-                self._memory_models[trial.signature] = array_memory_model(get_workload(study.workload), trial.params)
+                params = session.scalar(select(Trial.params).where(Trial.id == trial_id))
+                self._memory_models[trial.signature] = array_memory_model(get_workload(study.workload), params)
             except Exception as exc:  # the workload cannot build its array here: its arrays fail on their own
                 log.warning("study %d: no memory model for its arrays: %s", study.id, exc)
                 self._memory_models[trial.signature] = (0, 0)
@@ -1050,10 +1164,11 @@ class Coordinator(StudyLifecycle):
             if new:
                 session.add(Throughput(signature=signature, device_type=device_type, members=members, models_steps_per_s=rate, samples=samples))
             else:
-                session.execute(
-                    update(Throughput)
-                    .where(Throughput.signature == signature, Throughput.device_type == device_type, Throughput.members == members)
-                    .values(models_steps_per_s=rate, samples=Throughput.samples + samples, updated_at=utcnow())
+                rows = Throughput.__table__
+                session.connection().execute(
+                    update(rows)
+                    .where(rows.c.signature == signature, rows.c.device_type == device_type, rows.c.members == members)
+                    .values(models_steps_per_s=rate, samples=rows.c.samples + samples, updated_at=utcnow())
                 )
 
     def _curve_classes(self, classes: set[str], device_types: set[str]) -> None:
@@ -1174,3 +1289,7 @@ class _Live:
     epochs_done: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     checkpoints: dict[int, int] = field(default_factory=dict)  # trial id -> checkpoint epoch stored in ft_trials
+    steps: dict[int, int] = field(default_factory=dict)  # trial id -> the last step recorded of it in this array
+    ahead: Counter[int] = field(default_factory=Counter)  # boundary -> newcomers offered to join there
+    unacked: int = 0  # recorded reports of a worker that does not wait, not acknowledged yet
+    new_checkpoint: bool = False  # a recorded report named a checkpoint not acknowledged yet

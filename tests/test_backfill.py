@@ -84,3 +84,50 @@ def test_a_pruned_members_slot_goes_to_a_waiting_trial_at_the_next_epoch_boundar
 def _state(url: str, study_id: int) -> StudyState:
     with get_sessionmaker(url)() as session:
         return session.get(Study, study_id).state
+
+
+def test_an_array_of_one_goes_on_with_the_next_trial_where_its_member_leaves(ray_cluster: str, tmp_path: Path) -> None:
+    """Unfused (arrays of one), each trial's successor is offered two epochs before the
+    trial's last and starts in the same array at the boundary where it ends: the worker
+    trains the study's trials one after the other without waiting for a scheduling round
+    between them, and never two at once.
+
+    The study's pruner (which never prunes) makes the worker wait for each report's reply,
+    so the hand-stepped loop is always ahead of it: the offer always arrives in time.
+    """
+    url = f"sqlite:///{tmp_path / 'fusetune.db'}"
+    settings = Settings(database_url=url, ray_address=ray_cluster, cpu_workers=1, max_array_size=4,
+                        artifact_dir=tmp_path / "artifacts")
+    upgrade(url)
+    get_optuna_storage(url)
+    with get_sessionmaker(url)() as session:
+        study_id = service.create_study(session, url, StudyCreate(
+            workload="digits-mlp", n_trials=3, epochs=4, name="chain", search_space=BACKFILL_SPACE, max_array_size=1,
+            sampler={"name": "RandomSampler", "kwargs": {"seed": 0}},
+            pruner={"name": "ThresholdPruner", "kwargs": {"lower": -1.0}},
+        )).id
+    pool = WorkerPool(cpu_workers=1, name_prefix="chain")
+    try:
+        coordinator = Coordinator(settings, pool)
+        coordinator.setup()
+        deadline = time.monotonic() + 300
+        while _state(url, study_id) != StudyState.COMPLETE:
+            assert time.monotonic() < deadline, "the study did not complete"
+            coordinator.step()
+            coordinator._handle(pool.wait(0.5))
+    finally:
+        pool.shutdown()
+    with get_sessionmaker(url)() as session:
+        (array,) = session.scalars(sa.select(Array).where(Array.study_id == study_id)).all()
+        size, epochs = array.size, array.epochs_done
+        timeline = session.execute(
+            sa.select(Event.kind, Event.trial_id)
+            .where(Event.study_id == study_id, Event.kind.in_(["trial.started", "trial.ended"]))
+            .order_by(Event.id)
+        ).all()
+    assert (size, epochs) == (3, 12)  # three trials, one after the other
+    # Each trial starts after the one before it has ended.
+    assert [kind for kind, _ in timeline] == ["trial.started", "trial.ended"] * 3
+    assert len({trial for _, trial in timeline}) == 3
+    study = optuna.load_study(study_name="chain", storage=url)
+    assert all(t.state.name == "COMPLETE" and sorted(t.intermediate_values) == [0, 1, 2, 3] for t in study.trials)

@@ -38,7 +38,7 @@ class ArrayWorker:
             fusion.reuse_cpu_memory()
         self.device = self._device(device_type)
         self._lock = threading.Lock()
-        self._offers: dict[int, list[MemberSpec]] = {}
+        self._offers: dict[int, list[tuple[int, MemberSpec]]] = {}  # array id -> (after epoch, newcomer)
         self._releases: dict[int, set[int]] = {}
         self._replies: dict[int, queue.SimpleQueue[EpochReply]] = {}
 
@@ -72,18 +72,28 @@ class ArrayWorker:
         """Answered on the actor's second thread while :meth:`run` trains: the process lives."""
         return True
 
-    def offer(self, array_id: int, members: list[MemberSpec]) -> None:
-        """Queue newcomers for array ``array_id``; they join it at its next epoch boundary.
+    def offer(self, array_id: int, members: list[MemberSpec], after_epoch: int = 0) -> None:
+        """Queue newcomers for array ``array_id``: they join it at its first epoch boundary
+        after it has trained ``after_epoch`` epochs (0: its next one).
 
+        An offer for a later boundary takes the place of members that end there: the control
+        plane offers it one epoch ahead, so that the newcomers join where those members
+        leave, and the worker never waits for a scheduling round between them.
         Runs on the actor's second thread while :meth:`run` trains on the first.
         """
         with self._lock:
-            self._offers.setdefault(array_id, []).extend(members)
+            self._offers.setdefault(array_id, []).extend((after_epoch, m) for m in members)
 
-    def take(self, array_id: int) -> list[MemberSpec]:
-        """The newcomers offered to ``array_id`` so far (the training loop's inbox)."""
+    def take(self, array_id: int, epochs_done: int = 0) -> list[MemberSpec]:
+        """The newcomers offered to ``array_id`` that may join it at the boundary after its
+        epoch ``epochs_done`` (the training loop's inbox); later ones stay queued."""
         with self._lock:
-            return self._offers.pop(array_id, [])
+            offers = self._offers.pop(array_id, [])
+            now = [m for after, m in offers if after <= epochs_done]
+            later = [(after, m) for after, m in offers if after > epochs_done]
+            if later:
+                self._offers[array_id] = later
+            return now
 
     def release(self, array_id: int, trial_ids: list[int]) -> None:
         """Ask array ``array_id`` to let members ``trial_ids`` go at its next epoch boundary.

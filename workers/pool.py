@@ -200,11 +200,12 @@ class WorkerPool:
             raise RuntimeError(f"worker {worker.name} is not training an array")
         worker.actor.reply.remote(worker.spec.array_id, reply)
 
-    def offer(self, worker: WorkerHandle, members: list[MemberSpec]) -> None:
-        """Hand newcomers to the array ``worker`` is training; they join at its next epoch boundary."""
+    def offer(self, worker: WorkerHandle, members: list[MemberSpec], after_epoch: int = 0) -> None:
+        """Hand newcomers to the array ``worker`` is training; they join at its first epoch
+        boundary after ``after_epoch`` epochs of it (0: the next one; ``ArrayWorker.offer``)."""
         if worker.spec is None:
             raise RuntimeError(f"worker {worker.name} is not training an array")
-        worker.actor.offer.remote(worker.spec.array_id, members)
+        worker.actor.offer.remote(worker.spec.array_id, members, after_epoch)
 
     def release(self, worker: WorkerHandle, trial_ids: list[int]) -> None:
         """Ask the array ``worker`` is training to let ``trial_ids`` go at its next epoch boundary."""

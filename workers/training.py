@@ -187,7 +187,7 @@ def _sync(device: torch.device) -> None:
 class Inbox(Protocol):
     """Where newcomers for a running array wait for its next epoch boundary."""
 
-    def take(self, array_id: int) -> list[MemberSpec]: ...
+    def take(self, array_id: int, epochs_done: int = 0) -> list[MemberSpec]: ...
 
     def released(self, array_id: int) -> set[int]: ...
 
@@ -372,7 +372,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
             epoch["checkpoint_s"] += time.perf_counter() - clock
 
             clock = time.perf_counter()
-            newcomers = inbox.take(spec.array_id) if inbox is not None else []
+            newcomers = inbox.take(spec.array_id, outcome.epochs_done) if inbox is not None else []
             if ended and len(ended) < count:
                 fused.remove_members(sorted(ended))
                 optim.remove_members(sorted(ended))

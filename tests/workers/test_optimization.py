@@ -185,6 +185,33 @@ def test_a_member_that_joins_gets_its_own_warm_up_schedule_and_clipping(tmp_path
     assert_same_weights(saved(tmp_path, 1), plain_b)
 
 
+def test_an_offer_for_a_later_boundary_waits_in_the_inbox_until_then(inbox: ArrayWorker) -> None:
+    now, later = member(1, {}), member(2, {})
+    inbox.offer(7, [now])
+    inbox.offer(7, [later], after_epoch=3)
+    assert inbox.take(7, 1) == [now]
+    assert inbox.take(7, 2) == []
+    assert inbox.take(7, 3) == [later]
+    assert inbox.take(7, 4) == []
+
+
+def test_a_successor_joins_at_the_boundary_where_the_last_member_leaves(tmp_path: Path, inbox: ArrayWorker) -> None:
+    """An array of one goes on as a chain: the successor, offered ahead for the boundary after
+    the member's last epoch, starts there, and the array never trains two at once."""
+    a = {"hidden": 16, "lr": 0.05}
+    b = {"hidden": 16, "lr": 0.1}
+    spec = spec_of(tmp_path, [a], epochs=3)
+    inbox.offer(spec.array_id, [member(1, b)], after_epoch=3)
+    reports, outcome = run(spec, inbox)
+    assert [r.size for r in reports] == [1] * 6
+    assert [[m.trial_id for m in r.members] for r in reports] == [[100]] * 3 + [[101]] * 3
+    assert [m.state for m in reports[2].members] == ["COMPLETE"] and [j.trial_id for j in reports[3].joined] == [101]
+    assert outcome.completed == [100, 101]
+    # The successor trained from scratch, as a fresh array of its own would have.
+    plain_b = torch_training(b, spec.seed + 1, permutations(spec.seed, 6)[3:], lambda p: torch.optim.SGD(p, lr=0.1))
+    assert_same_weights(saved(tmp_path, 1), plain_b)
+
+
 def test_a_preempted_member_resumes_its_schedule_from_its_checkpoint(tmp_path: Path, inbox: ArrayWorker) -> None:
     params = {"hidden": 16, "lr": 3e-3, "warmup_epochs": 1, "eta_min": 1e-4}
     training = TrainingSpec(optimizer="Adam", lr_scheduler="CosineAnnealingLR", lr_scheduler_kwargs={"T_max": 3})
