@@ -59,6 +59,7 @@ import tempfile
 import time
 import uuid
 import zlib
+from datetime import datetime
 from dataclasses import asdict, dataclass, field
 from collections.abc import Iterator
 from typing import Any
@@ -76,7 +77,7 @@ DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SYSTEMS = ("fusetune", "unfused", "raytune")
 SYSTEM_LABELS = {"fusetune": "fusetune", "unfused": "fusetune unfused", "raytune": "Ray Tune + Optuna"}
 #: The order timing keys are printed in; keys the server reports beyond these follow, sorted.
-TIMING_ORDER = ("train_s", "eval_s", "report_s", "checkpoint_s", "sizing_s", "build_s", "wait_s")
+TIMING_ORDER = ("train_s", "eval_s", "report_s", "checkpoint_s", "sizing_s", "build_s", "wait_s", "idle_s")
 EVENTS_POLL_S = 0.02
 
 
@@ -364,6 +365,21 @@ def study_arrays(server: FusetuneServer, study_id: int, timeout: float = 30.0) -
         time.sleep(0.1)
 
 
+def idle_worker_seconds(study: dict[str, Any], arrays: list[dict[str, Any]], workers: int) -> float:
+    """Worker-seconds with no array, from the server's own timestamps: the study's span
+    (created to completed) times the workers, less every array's span (created to completed).
+
+    This is the time spent waiting for a decision: asking the first trials, scheduling
+    rounds between arrays, workers left without work at the sweep's end.
+    """
+    def at(stamp: str) -> float:
+        return datetime.fromisoformat(stamp).timestamp()
+
+    span = at(study["completed_at"]) - at(study["created_at"])
+    busy = sum(at(a["completed_at"]) - at(a["created_at"]) for a in arrays if a.get("completed_at"))
+    return max(0.0, span * workers - busy)
+
+
 def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: list[int], systems: list[str],
                    args: argparse.Namespace) -> list[Run]:
     """Every (sweep, seed) through one server that stays up; fused and unfused runs interleaved."""
@@ -393,6 +409,7 @@ def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: 
                             for key, value in (a.get("timings") or {}).items():
                                 if isinstance(value, int | float):
                                     timings[key] = timings.get(key, 0.0) + float(value)
+                        timings["idle_s"] = idle_worker_seconds(study, arrays, workers)
                         best = study.get("best_trial") or {}
                         run = Run(
                             system=system, backend=backend, sweep=sweep.name, seed=seed, wall_s=wall,
