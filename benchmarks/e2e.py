@@ -114,7 +114,8 @@ class Run:
     best_value: float | None
     cpu_util: float
     n_arrays: int | None = None
-    mean_array_size: float | None = None
+    mean_array_size: float | None = None  # trials per array (an array of one may chain several)
+    width: float | None = None  # members an array trained at once, on average over its epochs
     timings: dict[str, float] = field(default_factory=dict)  # summed over the study's arrays
     workers: int | None = None
     trial_counts: dict[str, int] = field(default_factory=dict)
@@ -415,6 +416,10 @@ def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: 
                             system=system, backend=backend, sweep=sweep.name, seed=seed, wall_s=wall,
                             best_value=best.get("value"), cpu_util=util, n_arrays=len(arrays),
                             mean_array_size=statistics.fmean(a["size"] for a in arrays) if arrays else None,
+                            # member-epochs / array-epochs (these sweeps prune nothing: every
+                            # trial trains sweep.epochs epochs)
+                            width=(sum(a["size"] for a in arrays) * sweep.epochs / max(1, sum(a["epochs_done"] for a in arrays))
+                                   if arrays else None),
                             timings=timings, workers=workers, trial_counts=study.get("trial_counts", {}),
                         )
                         runs.append(run)
@@ -566,7 +571,8 @@ def seeds_of(sweep: Sweep, seeds: list[int]) -> list[int]:
 
 def print_progress(run: Run) -> None:
     best = f"{run.best_value:.4f}" if run.best_value is not None else "-"
-    arrays = f", {run.n_arrays} arrays of {run.mean_array_size:.1f}" if run.n_arrays else ""
+    arrays = (f", {run.n_arrays} arrays of {run.mean_array_size:.1f} trials, {run.width:.1f} at once"
+              if run.n_arrays else "")
     bad = {k: v for k, v in run.trial_counts.items() if k in ("FAIL", "ERROR") and v}
     warn = f"  !! {bad}" if bad else ""
     print(f"  {SYSTEM_LABELS[run.system]:<18} {run.backend:<8} {run.sweep:<11} seed {run.seed}: "
@@ -605,6 +611,8 @@ def aggregate(key: tuple[str, str, str], runs: list[Run]) -> dict[str, Any]:
         "arrays_mean": statistics.fmean(r.n_arrays for r in runs) if runs[0].n_arrays is not None else None,
         "array_size_mean": (statistics.fmean(r.mean_array_size for r in runs if r.mean_array_size is not None)
                             if any(r.mean_array_size is not None for r in runs) else None),
+        "width_mean": (statistics.fmean(r.width for r in runs if r.width is not None)
+                       if any(r.width is not None for r in runs) else None),
         "cpu_util_mean": statistics.fmean(r.cpu_util for r in runs),
         "timings_mean_s": timings,
         "workers": runs[0].workers,
@@ -628,9 +636,10 @@ def print_tables(runs: list[Run], sweeps: list[Sweep], backends: list[str]) -> d
                      key=lambda kv: (order[kv[0][2]], SYSTEMS.index(kv[0][0]), rank[kv[0][1]]))
     aggs = [aggregate(k, v) for k, v in grouped]
 
-    print("\n== Sweeps (wall time from submission to COMPLETE; best = best trial's final validation metric)")
+    print("\n== Sweeps (wall time from submission to COMPLETE; best = best trial's final validation metric; "
+          "trials = per array, width = members an array trained at once)")
     header = (f"{'sweep':<11}{'system':<19}{'db':<9}{'seeds':>5}{'wall mean':>10}{'min-max':>16}"
-              f"{'best mean':>10}{'sd':>8}{'min-max':>16}{'arrays':>7}{'size':>6}{'CPU':>6}")
+              f"{'best mean':>10}{'sd':>8}{'min-max':>16}{'arrays':>7}{'trials':>7}{'width':>6}{'CPU':>6}")
     print(header)
     print("-" * len(header))
     for a in aggs:
@@ -639,7 +648,7 @@ def print_tables(runs: list[Run], sweeps: list[Sweep], backends: list[str]) -> d
         print(f"{a['sweep']:<11}{SYSTEM_LABELS[a['system']]:<19}{a['backend']:<9}{len(a['seeds']):>5}"
               f"{a['wall_mean_s']:>9.1f}s{wall_range:>16}{fmt(a['best_mean'], '.4f'):>10}"
               f"{fmt(a['best_sd'], '.4f'):>8}{best_range:>16}{fmt(a['arrays_mean'], '.1f'):>7}"
-              f"{fmt(a['array_size_mean'], '.1f'):>6}{a['cpu_util_mean']:>5.0f}%")
+              f"{fmt(a['array_size_mean'], '.1f'):>7}{fmt(a['width_mean'], '.1f'):>6}{a['cpu_util_mean']:>5.0f}%")
 
     fused = [a for a in aggs if a["system"] != "raytune"]
     if fused:
