@@ -178,7 +178,7 @@ class Trial(Base):
     optuna_trial_id: Mapped[int] = mapped_column(Integer, unique=True)
     number: Mapped[int] = mapped_column(Integer)
     params: Mapped[dict[str, Any]] = mapped_column(JSON)
-    signature: Mapped[str] = mapped_column(String(64), index=True)
+    signature: Mapped[str] = mapped_column(String(64))
     state: Mapped[TrialState] = mapped_column(_enum(TrialState), default=TrialState.WAITING, index=True)
     value: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
