@@ -80,9 +80,12 @@ _MAX_DB_RETRY_S = 5.0
 # workers report at once.
 _GROUP_COMMIT = 64
 # Members this many epochs (or fewer) from their last are offered a successor at once, to
-# join where they leave: the offer must reach the worker before that boundary, and two
-# epochs of a small model outlast a scheduling round on a busy machine where one may not.
+# join where they leave: the offer must reach the worker before that boundary. Epochs of
+# small models are shorter than a scheduling round on a busy machine (the digits MLP's take
+# 10 ms; a round on PostgreSQL with a backlog, tens of ms), so the look-ahead covers at
+# least _LOOKAHEAD_S of the array's epochs as last measured, and at least this many epochs.
 _LOOKAHEAD_EPOCHS = 2
+_LOOKAHEAD_S = 0.25
 
 
 def database_unavailable(exc: BaseException) -> bool:
@@ -323,8 +326,8 @@ class Coordinator(StudyLifecycle):
             try:
                 self.pool.heartbeat()  # a hung worker is killed; its stream then says so
                 self._run_inbox()
-                if self._backlog:
-                    self._handle(())  # what the database refused earlier, in order, first
+                if self._backlog and self._handle(()):  # what the database refused earlier, in order, first
+                    next_step = 0.0
                 if self._wake.is_set() or time.monotonic() >= next_step:
                     self._wake.clear()
                     self.step()
@@ -395,7 +398,11 @@ class Coordinator(StudyLifecycle):
         self._backlog.extend(events)
         ended = False
         while self._backlog:
-            run = list(itertools.takewhile(lambda e: isinstance(e[2], EpochReport), itertools.islice(self._backlog, _GROUP_COMMIT)))
+            run: list[Event] = []
+            for event in itertools.islice(self._backlog, _GROUP_COMMIT):  # one report per array
+                if not isinstance(event[2], EpochReport) or any(e[1].array_id == event[1].array_id for e in run):
+                    break
+                run.append(event)
             if len(run) > 1:  # reports that came together are written together
                 try:
                     replies = self._record_epochs([(worker, report) for worker, _, report in run])
@@ -420,22 +427,20 @@ class Coordinator(StudyLifecycle):
         return ended
 
     def _answer(self, worker: WorkerHandle, report: EpochReport, reply: EpochReply | None) -> bool:
-        """Send a recorded report's reply; returns whether members left the array, or will
-        leave it within ``_LOOKAHEAD_EPOCHS`` epochs (see :meth:`_finishing`)."""
-        # A member becomes one of those once, at this many epochs from its last; members that
-        # end where newcomers were offered to join free nothing a round could fill.
-        ahead = min(_LOOKAHEAD_EPOCHS, worker.spec.epochs - 1) if worker.spec is not None else 0
+        """Send a recorded report's reply; returns whether members left the array, or have
+        come within its look-ahead of their last epoch (see :meth:`_finishing`)."""
         live = self._live.get(report.array_id)
-        replaced = 0
-        if live is not None:
+        replaced, nearing = 0, False
+        if live is not None and worker.spec is not None:
+            # Members that end where newcomers were offered to join free nothing a round could fill.
             replaced = live.ahead[live.epochs_done]
             for boundary in [b for b in live.ahead if b <= live.epochs_done]:
                 del live.ahead[boundary]
-        freed = bool(
-            report.released
-            or sum(1 for m in report.members if m.state) > replaced
-            or any(ahead > 0 and worker.spec.epochs - 1 - m.step == ahead for m in report.members)
-        )
+            # A member comes within the look-ahead once: its successor is looked for then.
+            near = {m.trial_id for m in report.members if not m.state and 0 < worker.spec.epochs - 1 - m.step <= live.lookahead}
+            nearing = bool(near - live.near)
+            live.near |= near
+        freed = bool(report.released or sum(1 for m in report.members if m.state) > replaced or nearing)
         if reply is None:  # the client decides: the reply goes when it has
             return freed
         # The reply decides pruning (studies with a pruner wait for it) and acknowledges that
@@ -627,7 +632,7 @@ class Coordinator(StudyLifecycle):
         placement on an idle device starts an array; waiting trials the scheduler adds to a
         running array's placement (slots its ended members freed) are offered to that array
         and join it at its next epoch boundary; those that take the places of members on
-        their last ``_LOOKAHEAD_EPOCHS`` epochs join at the boundary where those leave. Members
+        their last epochs (the array's look-ahead) join at the boundary where those leave. Members
         the scheduler preempts (their lease ran out and their class is over its share) leave
         at their array's next epoch boundary.
         """
@@ -794,14 +799,14 @@ class Coordinator(StudyLifecycle):
         return [found[i] for i in ids]
 
     def _finishing(self, rows: Sequence[Any]) -> dict[int, int]:
-        """Running members with at most ``_LOOKAHEAD_EPOCHS`` epochs left after their last
+        """Running members with at most their array's look-ahead of epochs left after their last
         recorded step, each with the boundary (its array's epoch count) where it leaves,
         unless it is pruned or its array stops first."""
         out = {}
         for trial, study in rows:
             live = self._live.get(trial.array_id) if trial.state == TrialState.RUNNING else None
             step = live.steps.get(trial.id) if live is not None else None
-            if step is not None and 0 < study.epochs - 1 - step <= _LOOKAHEAD_EPOCHS:
+            if step is not None and 0 < study.epochs - 1 - step <= live.lookahead:
                 out[trial.id] = live.epochs_done + study.epochs - 1 - step
         return out
 
@@ -972,6 +977,8 @@ class Coordinator(StudyLifecycle):
         self._truncate_resumed(session, mirror, report, optuna_id)
         mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
         live.steps.update((m.trial_id, m.step) for m in report.members)
+        epoch_s = sum(v for v in report.timings.values() if isinstance(v, int | float))
+        live.lookahead = max(_LOOKAHEAD_EPOCHS, math.ceil(_LOOKAHEAD_S / epoch_s) if epoch_s > 0 else 0)
         # Their Optuna trials got a value: pollers (updated_since) read them again.
         touch_trials(session, [m.trial_id for m in report.members])
         self._note_checkpoints(session, live, report)
@@ -1291,5 +1298,7 @@ class _Live:
     checkpoints: dict[int, int] = field(default_factory=dict)  # trial id -> checkpoint epoch stored in ft_trials
     steps: dict[int, int] = field(default_factory=dict)  # trial id -> the last step recorded of it in this array
     ahead: Counter[int] = field(default_factory=Counter)  # boundary -> newcomers offered to join there
+    lookahead: int = _LOOKAHEAD_EPOCHS  # epochs ahead a successor is offered (_LOOKAHEAD_S of the last epoch's)
+    near: set[int] = field(default_factory=set)  # members that came within the look-ahead
     unacked: int = 0  # recorded reports of a worker that does not wait, not acknowledged yet
     new_checkpoint: bool = False  # a recorded report named a checkpoint not acknowledged yet

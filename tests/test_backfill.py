@@ -26,6 +26,8 @@ def test_a_pruned_members_slot_goes_to_a_waiting_trial_at_the_next_epoch_boundar
     A study with a pruner makes its array wait for each report's reply, so a step handles at
     most one report of it: the two steps after the prune offer the freed slots by the reply to
     epoch 2 at the latest, and the newcomers join long before the array's sixth epoch.
+    The array never trains more than four at once (the worker's inbox holds later offers
+    back: tests/workers/test_optimization.py).
     """
     url = f"sqlite:///{tmp_path / 'fusetune.db'}"
     settings = Settings(database_url=url, ray_address=ray_cluster, cpu_workers=1, max_array_size=4,
@@ -61,7 +63,9 @@ def test_a_pruned_members_slot_goes_to_a_waiting_trial_at_the_next_epoch_boundar
         coordinator.step()  # asks the next trials...
         coordinator.step()  # ...and offers two of them to the running array
         [(_, size, members)] = arrays()
-        assert size == 6
+        # Two for the freed slots; the survivors' successors may be offered already too, for
+        # the boundary where the survivors leave (when that is within the array's look-ahead).
+        assert size >= 6
         newcomers = members - founders
         deadline = time.monotonic() + 300
         while _state(url, study_id) != StudyState.COMPLETE:
