@@ -67,11 +67,7 @@ def test_a_pruned_members_slot_goes_to_a_waiting_trial_at_the_next_epoch_boundar
         # the boundary where the survivors leave (when that is within the array's look-ahead).
         assert size >= 6
         newcomers = members - founders
-        deadline = time.monotonic() + 300
-        while _state(url, study_id) != StudyState.COMPLETE:
-            assert time.monotonic() < deadline, "the study did not complete"
-            coordinator.step()
-            coordinator._handle(pool.wait(0.5))
+        _step_until_complete(coordinator, pool, url, study_id)
     finally:
         pool.shutdown()
     with get_sessionmaker(url)() as session:
@@ -83,6 +79,14 @@ def test_a_pruned_members_slot_goes_to_a_waiting_trial_at_the_next_epoch_boundar
             assert trial.state.name == "PRUNED" and sorted(trial.intermediate_values) == [0]
         else:  # the newcomers count their own epochs from 0
             assert trial.state.name == "COMPLETE" and sorted(trial.intermediate_values) == list(range(6))
+
+
+def _step_until_complete(coordinator: Coordinator, pool: WorkerPool, url: str, study_id: int) -> None:
+    deadline = time.monotonic() + 300
+    while _state(url, study_id) != StudyState.COMPLETE:
+        assert time.monotonic() < deadline, "the study did not complete"
+        coordinator.step()
+        coordinator._handle(pool.wait(0.5))
 
 
 def _state(url: str, study_id: int) -> StudyState:
@@ -114,11 +118,7 @@ def test_an_array_of_one_goes_on_with_the_next_trial_where_its_member_leaves(ray
     try:
         coordinator = Coordinator(settings, pool)
         coordinator.setup()
-        deadline = time.monotonic() + 300
-        while _state(url, study_id) != StudyState.COMPLETE:
-            assert time.monotonic() < deadline, "the study did not complete"
-            coordinator.step()
-            coordinator._handle(pool.wait(0.5))
+        _step_until_complete(coordinator, pool, url, study_id)
     finally:
         pool.shutdown()
     with get_sessionmaker(url)() as session:
