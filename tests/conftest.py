@@ -52,6 +52,29 @@ def running_service(ray_address: str, database_url: str, **settings: object) -> 
         server.stop()
 
 
+def members_at_once(database_url: str, study_id: int) -> dict[int, int]:
+    """The most members each of the study's arrays trained at once, from its events.
+
+    An array's ``size`` counts every trial it trained: an array whose members end goes on
+    with their successors (docs/architecture.md), so it can train more trials than it ever
+    holds at one time.
+    """
+    from fusetune.server.db import Event, get_sessionmaker
+
+    with get_sessionmaker(database_url)() as session:
+        timeline = session.execute(
+            sa.select(Event.array_id, Event.kind)
+            .where(Event.study_id == study_id, Event.kind.in_(["trial.started", "trial.ended"]), Event.array_id.is_not(None))
+            .order_by(Event.id)
+        ).all()
+    now: dict[int, int] = {}
+    widest: dict[int, int] = {}
+    for array_id, kind in timeline:
+        now[array_id] = now.get(array_id, 0) + (1 if kind == "trial.started" else -1)
+        widest[array_id] = max(widest.get(array_id, 0), now[array_id])
+    return widest
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[str]:
     """A local Ray instance for the whole test session; yields its address."""
