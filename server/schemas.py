@@ -500,8 +500,11 @@ class ArrayOut(BaseModel):
     study_id: int
     signature: str
     state: ArrayState
-    size: int
-    trial_ids: list[int] = Field(description="Members, by slot.")
+    size: int = Field(
+        description="Trials it trained. An array whose members end goes on with their successors, "
+        "so it can train more trials over its life than it holds at once (never more than it started with)."
+    )
+    trial_ids: list[int] = Field(description="Members, in the order they joined.")
     worker: str | None = Field(validation_alias="worker_name")
     device_type: str | None
     node: str | None = Field(None, description="The Ray node (its id) the array trained on.")
