@@ -19,6 +19,7 @@ race at worst splits a group in two and never mixes values or overfills one.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -120,6 +121,19 @@ class _Finished:
     first_trial_id: int
     upto: int = 0
     groups: dict[str, list[_Member]] = field(default_factory=dict)
+    # The members read from unfinished trials, each with the FrozenTrial it was read from: valid
+    # while the storage returns that very object (an in-memory storage replaces a trial's
+    # object on every change; a database storage returns new ones on every read, which never
+    # match). A batch of asks then reads each trial once, not once per ask.
+    unfinished: dict[int, tuple[FrozenTrial, _Member | None]] = field(default_factory=dict)
+
+    def member(self, trial: FrozenTrial, non_fusible: frozenset[str]) -> _Member | None:
+        """:func:`_member_of` ``trial``, from the memo while the trial is unchanged (views only
+        read it; :meth:`FusionSampler._member` hands out a copy to change)."""
+        memo = self.unfinished.get(trial._trial_id)
+        if memo is None or memo[0] is not trial:
+            memo = self.unfinished[trial._trial_id] = (trial, _member_of(trial, non_fusible))
+        return memo[1]
 
 
 class _View:
@@ -134,7 +148,7 @@ class _View:
         self.members: dict[int, _Member] = {}  # trial id -> member
         self.groups: dict[str, list[_Member]] = {}  # group id -> members, by trial number
         for trial in recent:
-            member = _member_of(trial, non_fusible)
+            member = finished.member(trial, non_fusible)
             if member is not None:
                 self.members[member.trial_id] = member
                 self.groups.setdefault(member.group, []).append(member)
@@ -380,6 +394,7 @@ class FusionSampler(BaseSampler):
             member = _member_of(trials[i], self._non_fusible)
             if member is not None:
                 finished.groups.setdefault(member.group, []).append(member)
+            finished.unfinished.pop(trials[i]._trial_id, None)
             i += 1
         finished.upto = i
         return _View(trials[i:], finished, self._non_fusible)
@@ -391,7 +406,8 @@ class FusionSampler(BaseSampler):
         if trial_id not in view.members:
             self._place(study, trial_id)
             view = self._view(study)
-        return view.members[trial_id], view
+        member = view.members[trial_id]  # the view's is the memo's (_Finished.member): change a copy
+        return dataclasses.replace(member, values=dict(member.values)), view
 
     def _place(self, study: Study, trial_id: int) -> None:
         """Join the oldest open group the trial's enqueued values agree with, or open one."""
