@@ -22,7 +22,6 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import optuna
-import torch
 from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, func, select, update
 from sqlalchemy import exc as sa_exc
@@ -37,7 +36,6 @@ from fusetune.scheduler import (
     fit_points,
     make_scheduler,
     pack,
-    shape_signature,
 )
 from fusetune.scheduler import Tenant as SchedulerTenant
 from fusetune.server.db import (
@@ -63,6 +61,7 @@ from fusetune.server.optuna_specs import make_pruner, make_sampler
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
 from fusetune.server.service import Conflict
 from fusetune.server.settings import Settings, artifact_uri
+from fusetune.server.signatures import trial_signature
 from fusetune.workers.pool import Event, WorkerHandle, WorkerPool
 from fusetune.workers.optimization import resolve
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
@@ -108,34 +107,6 @@ class _Awaiting:
     worker: WorkerHandle
     steps: dict[int, int]  # fusetune trial id -> the step its decision is for
     prune: set[int] = field(default_factory=set)
-
-
-def array_settings(
-    workload: Workload, study: Study, params: Mapping[str, Any], training: TrainingSpec | None = None
-) -> dict[str, Any]:
-    """The settings every member of an array must share, beyond its operator shapes.
-
-    The optimizer class and its array-wide flags, the LR scheduler class and AMP come from
-    the trial's recipe (``workers.optimization.resolve``: its params, else the study's
-    ``training`` settings, else the workload's), so trials with different optimizers never
-    share an array. Raises ``OptionError`` naming the parameter a recipe cannot use.
-    """
-    return {
-        "workload": workload.name,
-        **resolve(workload, training, params).array_settings(),
-        "batch_size": workload.batch_size_for(params),
-        "epochs": study.epochs,
-    }
-
-
-def trial_signature(
-    workload: Workload, study: Study, params: Mapping[str, Any], training: TrainingSpec | None = None
-) -> str:
-    """The shape signature of a trial's model, built on the meta device (no memory, no init cost)."""
-    settings = array_settings(workload, study, params, training)
-    with torch.device("meta"):
-        model = workload.build_model(params)
-    return shape_signature(model, settings).digest
 
 
 def group_size(study: Study, settings: Settings, devices: int) -> int:

@@ -4,7 +4,7 @@ A parameter is non-fusible when changing it changes the trial's shape signature,
 which the service packs trials into arrays. The answer is not declared by hand: the
 workload's search space runs with each parameter varied over probe values of its
 distribution, every other parameter held, and ``scheduler.fusible_params`` compares the
-signatures that ``server.coordinator.trial_signature`` (the function the service packs
+signatures that ``server.signatures.trial_signature`` (the function the service packs
 with) gives the results. This module imports torch and fusetune's server code, and only
 when called.
 """
@@ -183,7 +183,7 @@ def non_fusible_params(
 
 def _service_signature(workload: Workload) -> Callable[[Mapping[str, Any]], str]:
     """The service's signature function for ``workload``'s trials (imports the server's code)."""
-    from fusetune.server.coordinator import trial_signature
+    from fusetune.server.signatures import trial_signature
     from fusetune.server.db import Study
 
     # trial_signature reads the study's epochs, which are the same for every trial of a

@@ -16,7 +16,7 @@ from torch import nn
 
 from fusetune.client.samplers import FusionSampler, fusion_group, non_fusible_params
 from fusetune.client.samplers._workload import probe_values
-from fusetune.server.coordinator import trial_signature
+from fusetune.server.signatures import trial_signature
 from fusetune.server.db import Study
 from fusetune.workers.workloads import UnknownWorkloadError, get_workload
 

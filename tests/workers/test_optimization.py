@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from fusetune.server.coordinator import trial_signature
+from fusetune.server.signatures import trial_signature
 from fusetune.server.db import Study
 from fusetune.workers.actor import ArrayWorker
 from fusetune.workers.optimization import (

@@ -70,7 +70,9 @@ class Workload:
 
     Attributes:
         name: registry name, e.g. ``"digits-mlp"``.
-        build_model: model factory taking a trial's params.
+        build_model: model factory taking a trial's params (a read-only mapping). Its
+            shapes must depend on nothing but the params it reads: the service memoises
+            signatures by them (``server/signatures.py``).
         search_space: default define-by-run search space: suggests on an Optuna trial and
             returns the params.
         datasets: returns the (train, validation) datasets of (input, target) tensors.
