@@ -125,38 +125,54 @@ class StudyMirror:
                 params, error = dict(trial.params), f"{type(exc).__name__}: {exc}"
                 self._memory.set_trial_state_values(trial._trial_id, OptunaState.FAIL)
             asked.append((self._memory.get_trial(trial._trial_id), params, error))
-        rows = [self._insert(session, frozen) for frozen, _, _ in asked]
-        session.flush()
+        ids = self._insert(session, [frozen for frozen, _, _ in asked])
         out = []
-        for row, (frozen, params, error) in zip(rows, asked, strict=True):
-            self._to_memory[row.trial_id] = frozen._trial_id
-            out.append(AskedTrial(row.trial_id, frozen.number, params, error))
+        for trial_id, (frozen, params, error) in zip(ids, asked, strict=True):
+            self._to_memory[trial_id] = frozen._trial_id
+            out.append(AskedTrial(trial_id, frozen.number, params, error))
         return out
 
-    def _insert(self, session: Session, frozen: FrozenTrial) -> rdb.TrialModel:
-        row = rdb.TrialModel(
-            number=frozen.number,
-            study_id=self._db_study_id,
-            state=frozen.state,
-            datetime_start=frozen.datetime_start,
-            datetime_complete=frozen.datetime_complete,
+    def _insert(self, session: Session, frozens: Sequence[FrozenTrial]) -> list[int]:
+        """Add the trials to Optuna's tables; their database ids, in order.
+
+        Core statements, one per table: the ORM's unit of work took 60% of asking 64 TPE
+        trials (building and flushing 64 trials' graphs of params and attributes).
+        """
+        if not frozens:
+            return []
+        trials = rdb.TrialModel.__table__
+        ids = list(
+            session.execute(
+                insert(trials).returning(trials.c.trial_id, sort_by_parameter_order=True),
+                [
+                    {
+                        "number": f.number,
+                        "study_id": self._db_study_id,
+                        "state": f.state,
+                        "datetime_start": f.datetime_start,
+                        "datetime_complete": f.datetime_complete,
+                    }
+                    for f in frozens
+                ],
+            ).scalars()
         )
-        row.params = [
-            rdb.TrialParamModel(
-                param_name=name,
-                param_value=frozen.distributions[name].to_internal_repr(value),
-                distribution_json=distribution_to_json(frozen.distributions[name]),
-            )
-            for name, value in frozen.params.items()
-        ]
-        row.system_attributes = [
-            rdb.TrialSystemAttributeModel(key=k, value_json=json.dumps(v)) for k, v in frozen.system_attrs.items()
-        ]
-        row.user_attributes = [
-            rdb.TrialUserAttributeModel(key=k, value_json=json.dumps(v)) for k, v in frozen.user_attrs.items()
-        ]
-        session.add(row)
-        return row
+        params, system, user = [], [], []
+        for trial_id, f in zip(ids, frozens, strict=True):
+            for name, value in f.params.items():
+                distribution = f.distributions[name]
+                params.append({
+                    "trial_id": trial_id,
+                    "param_name": name,
+                    "param_value": distribution.to_internal_repr(value),
+                    "distribution_json": distribution_to_json(distribution),
+                })
+            system += [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in f.system_attrs.items()]
+            user += [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in f.user_attrs.items()]
+        for model, rows in (
+            (rdb.TrialParamModel, params), (rdb.TrialSystemAttributeModel, system), (rdb.TrialUserAttributeModel, user)
+        ):
+            insert_rows(session, model.__table__, rows)
+        return ids
 
     # -- reporting -----------------------------------------------------------------------------
     def report(self, session: Session, values: Iterable[tuple[int, int, float]]) -> None:
