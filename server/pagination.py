@@ -69,7 +69,7 @@ class PageParams:
     after: str | None = None
 
 
-def page_params(
+async def page_params(
     limit: int = Query(
         DEFAULT_LIMIT, ge=1, le=MAX_LIMIT, description=f"Rows per page (default {DEFAULT_LIMIT}, at most {MAX_LIMIT})."
     ),

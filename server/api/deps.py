@@ -22,6 +22,9 @@ from sqlalchemy.orm import Session
 from fusetune.server.auth import Principal, principal_for
 from fusetune.server.settings import Settings
 
+# Dependencies that do no I/O are coroutines: FastAPI runs a plain function in its threadpool,
+# a hand-off to a thread and back per dependency and request, which under 200 pollers cost
+# more than their SQL (docs/benchmarks.md, REST reads).
 bearer = HTTPBearer(
     auto_error=False,
     description="A tenant's token (`fusetune tenants create`), or the admin's (`FUSETUNE_ADMIN_TOKEN`).",
@@ -33,11 +36,11 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_url(request: Request) -> str:
+async def get_url(request: Request) -> str:
     return request.app.state.settings.database_url
 
 
-def get_app_settings(request: Request) -> Settings:
+async def get_app_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -64,7 +67,7 @@ def authenticate(
     return principal
 
 
-def require_admin(principal: Principal = Depends(authenticate)) -> Principal:
+async def require_admin(principal: Principal = Depends(authenticate)) -> Principal:
     """The admin only: 403 for a tenant's token (admin routes are no tenant's resources)."""
     if not principal.is_admin:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "only the admin (FUSETUNE_ADMIN_TOKEN) may do this")
