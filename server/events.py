@@ -8,18 +8,26 @@ order: a reader that has seen id N has seen every earlier event, and ``Last-Even
 resumes exactly after it. :func:`stream` serves ``GET /api/v1/studies/{id}/events`` and
 ``GET /api/v1/events`` from the table (any API process can, with or without a scheduling
 loop); :func:`prune` drops events older than the retention.
+
+A stream waits for new events on this process's doorbell: a transaction that recorded
+events rings it as it commits (a session ``after_commit`` hook), and the streams of those
+events' studies and tenants read the table at once. Events another process writes (a second
+API process, a scheduling loop elsewhere) are found by polling, every
+``FUSETUNE_EVENTS_POLL_INTERVAL_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
@@ -44,6 +52,57 @@ _events = Event.__table__
 #: Most events one read of the table returns; a stream reads again at once when it was full.
 BATCH = 500
 
+#: ``Session.info`` key: the (tenant, study id) of the events the session's transaction recorded.
+_RECORDED = "fusetune.events.recorded"
+
+
+class _Doorbell:
+    """Wakes this process's open streams when events of their scope have been committed.
+
+    Streams wait on event loops; the transactions that record events commit on other
+    threads (the scheduling loop's, a threadpool's), so a ring hands each matching stream's
+    wake-up to its own loop (``call_soon_threadsafe``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[asyncio.Event, tuple[asyncio.AbstractEventLoop, str | None, int | None]] = {}
+
+    def subscribe(self, as_tenant: str | None, study_id: int | None) -> asyncio.Event:
+        """An event set whenever events of this scope (None: any tenant, any study) commit."""
+        bell = asyncio.Event()
+        with self._lock:
+            self._waiting[bell] = (asyncio.get_running_loop(), as_tenant, study_id)
+        return bell
+
+    def unsubscribe(self, bell: asyncio.Event) -> None:
+        with self._lock:
+            self._waiting.pop(bell, None)
+
+    def ring(self, recorded: Iterable[tuple[str, int]]) -> None:
+        scopes = set(recorded)
+        with self._lock:
+            waiting = list(self._waiting.items())
+        for bell, (loop, as_tenant, study_id) in waiting:
+            if any((as_tenant is None or as_tenant == t) and (study_id is None or study_id == s) for t, s in scopes):
+                with contextlib.suppress(RuntimeError):  # its loop has closed: the stream is gone
+                    loop.call_soon_threadsafe(bell.set)
+
+
+_doorbell = _Doorbell()
+
+
+@event.listens_for(Session, "after_commit")
+def _ring_after_commit(session: Session) -> None:
+    recorded = session.info.pop(_RECORDED, None)
+    if recorded:
+        _doorbell.ring(recorded)
+
+
+@event.listens_for(Session, "after_rollback")
+def _forget_after_rollback(session: Session) -> None:
+    session.info.pop(_RECORDED, None)  # rolled back: those events were never stored
+
 
 def record(
     session: Session,
@@ -62,6 +121,7 @@ def record(
     member, and the loop records several array-epochs in one transaction).
     """
     assert kind in KINDS, kind
+    session.info.setdefault(_RECORDED, set()).add((tenant, study_id))
     add_rows(session, _events, [
         {"tenant": tenant, "study_id": study_id, "kind": kind, "trial_id": trial_id, "array_id": array_id, "data": data,
          "created_at": utcnow()}
@@ -108,10 +168,11 @@ async def stream(
     """Server-sent events (as ``sse_starlette`` takes them) after id ``after``.
 
     ``after`` None: only events that happen from now on. ``follow`` false: the stored
-    events, then the stream ends; otherwise it waits for new ones, polling the table every
-    ``poll_interval_s``, and ends after ``max_stream_s`` (an EventSource reconnects with
-    ``Last-Event-ID`` and loses nothing). Each database read runs on a worker thread, with a
-    session of its own, so an open stream holds no connection while it waits.
+    events, then the stream ends; otherwise it waits for new ones (woken as this process
+    commits them, and polling the table every ``poll_interval_s`` for other processes'),
+    and ends after ``max_stream_s`` (an EventSource reconnects with ``Last-Event-ID`` and
+    loses nothing). Each database read runs on a worker thread, with a session of its own,
+    so an open stream holds no connection while it waits.
     """
 
     def fetch(after: int | None) -> tuple[int, list[EventOut]]:
@@ -121,13 +182,21 @@ async def stream(
             return after, read(session, after, as_tenant=as_tenant, study_id=study_id)
 
     deadline = time.monotonic() + max_stream_s
-    while True:
-        after, batch = await run_in_threadpool(fetch, after)
-        for event in batch:
-            after = event.id
-            yield {"id": str(event.id), "event": event.kind, "data": json.dumps(event.model_dump(mode="json"))}
-        if len(batch) == BATCH:
-            continue  # more are stored: read on before waiting
-        if not follow or time.monotonic() >= deadline:
-            return
-        await asyncio.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))
+    bell = _doorbell.subscribe(as_tenant, study_id) if follow else None
+    try:
+        while True:
+            if bell is not None:
+                bell.clear()  # before the read: a commit during it rings for the next one
+            after, batch = await run_in_threadpool(fetch, after)
+            for stored in batch:
+                after = stored.id
+                yield {"id": str(stored.id), "event": stored.kind, "data": json.dumps(stored.model_dump(mode="json"))}
+            if len(batch) == BATCH:
+                continue  # more are stored: read on before waiting
+            if bell is None or time.monotonic() >= deadline:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(bell.wait(), min(poll_interval_s, max(0.0, deadline - time.monotonic())))
+    finally:
+        if bell is not None:
+            _doorbell.unsubscribe(bell)

@@ -151,7 +151,8 @@ class Settings(BaseSettings):
         7 * 24 * 3600.0, gt=0, description="How long events (GET .../events) are kept before they are pruned."
     )
     events_poll_interval_s: float = Field(
-        0.25, gt=0, description="How often an open event stream looks for new events."
+        0.25, gt=0, description="How often an open event stream looks for new events that other processes wrote; "
+        "events this process commits (its scheduling loop's) wake its streams at once."
     )
     events_max_stream_s: float = Field(
         300.0,

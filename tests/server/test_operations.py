@@ -304,6 +304,35 @@ def test_a_followed_stream_delivers_new_events_as_they_are_committed(live: LiveA
     assert {e["data"]["tenant"] for e in got} == {"acme"}
 
 
+@pytest.fixture
+def slow_polling(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApi]:
+    """The API with an hour between a stream's reads of the table."""
+    yield from live_api(database_url, artifact_dir=tmp_path_factory.mktemp("artifacts"), events_poll_interval_s=3600.0)
+
+
+def test_events_committed_in_this_process_wake_its_streams_at_once(slow_polling: LiveApi) -> None:
+    """A stream waits for the commit itself, not for its next poll: with an hour between
+    polls, each event still arrives (the suite's timeout would end a stream that polls)."""
+    clients, studies = _two_tenants(slow_polling)
+    _record(slow_polling.database_url, "acme", studies["acme"], ["trial.asked"])
+    got: list[dict] = []
+    with clients["acme"].stream("GET", f"/api/v1/studies/{studies['acme']}/events", params={"after": 0}) as response:
+        for event in parse(response.iter_lines()):
+            got.append(event)
+            if len(got) == 1:
+                # Another tenant's event, a rolled-back one, then two of this study's, one at a time.
+                _record(slow_polling.database_url, "umbrella", studies["umbrella"], ["trial.asked"])
+                with get_sessionmaker(slow_polling.database_url)() as session:
+                    events.record(session, "trial.ended", tenant="acme", study_id=studies["acme"], trial_id=1)
+                    session.rollback()
+                _record(slow_polling.database_url, "acme", studies["acme"], ["trial.started"])
+            elif len(got) == 2:
+                _record(slow_polling.database_url, "acme", studies["acme"], ["trial.reported"])
+            elif len(got) == 3:
+                break
+    assert [e["event"] for e in got] == ["trial.asked", "trial.started", "trial.reported"]
+
+
 def test_events_past_the_retention_are_pruned(database_url: str) -> None:
     from datetime import timedelta
 
