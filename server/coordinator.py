@@ -159,6 +159,14 @@ def study_sampler(study: Study, settings: Settings, devices: int = 1) -> optuna.
         return sampler
 
 
+def training_seed(study: Study) -> int:
+    """The seed of a study's inits and data orders: its sampler's seed when it names one, so
+    that the same study run twice, on SQLite or on PostgreSQL, trains the same models from
+    the same asks; otherwise its id."""
+    seed = (study.sampler.get("kwargs") or {}).get("seed")
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else study.id
+
+
 def array_memory_model(workload: Workload, params: Mapping[str, Any]) -> tuple[int, int]:
     """Bytes an array of these params' class needs: ``(base, member)``, bytes(B) = base + B * member.
 
@@ -844,7 +852,7 @@ class Coordinator(StudyLifecycle):
             workload=study.workload,
             epochs=study.epochs,
             members=tuple(_member_spec(t) for t in trials),
-            seed=array.id,
+            seed=training_seed(study),
             artifact_dir=artifact_uri(self.settings),
             checkpoint_frequency=self.settings.checkpoint_frequency,
             checkpoint_interval_s=self.settings.checkpoint_interval_s,

@@ -76,3 +76,23 @@ def test_sweep_over_http_matches_optuna(service: Client, database_url: str) -> N
         assert {str(k): v for k, v in f.intermediate_values.items()} == {str(k): v for k, v in t["intermediate_values"].items()}
     assert loaded.best_value == max(t["value"] for t in trials)
     assert service.study(study["id"])["best_trial"]["value"] == loaded.best_value
+
+
+def test_a_seeded_study_run_again_trains_the_same_model(service: Client) -> None:
+    """Inits and data order derive from the sampler's seed and the trial's number, not from
+    the array's id (which depends on what the database numbered before): the second study's
+    array has another id and trains exactly the first one's model."""
+    runs = []
+    for name in ("seeded-a", "seeded-b"):
+        study = service.create_study(
+            "digits-mlp", n_trials=1, epochs=2, name=name, search_space=SPACE,
+            sampler={"name": "RandomSampler", "kwargs": {"seed": 11}},
+        )
+        service.wait(study["id"], timeout=300)
+        (trial,) = service.trials(study["id"])
+        (array,) = service.arrays(study["id"])
+        runs.append((trial, array["id"]))
+    (first, first_array), (second, second_array) = runs
+    assert first_array != second_array
+    assert first["params"] == second["params"]
+    assert first["intermediate_values"] == second["intermediate_values"] and first["value"] == second["value"]

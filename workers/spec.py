@@ -82,6 +82,8 @@ class ArraySpec:
     workload: str
     epochs: int
     members: tuple[MemberSpec, ...]
+    # The study's seed: member n starts from weights drawn with seed + n, and the array's data
+    # order is drawn with seed + its first member's number.
     seed: int = 0
     # The artifact store (workers/store.py): a local directory or a pyarrow.fs URI that every
     # node sees; members' weights and checkpoints go there.

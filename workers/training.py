@@ -43,7 +43,8 @@ def objectives(workload: Workload, training: TrainingSpec) -> list[Metric]:
     return [workload.metric_named(name) for name in training.metrics] or [workload.metric_named(workload.metric_name)]
 
 def build_models(workload: Workload, members: Sequence[MemberSpec], seed: int) -> list[nn.Module]:
-    """One model per member, each initialised from its own seed so results are reproducible."""
+    """One model per member, each initialised from ``seed`` + its trial number: the same trial
+    of a study starts from the same weights in whichever array it trains."""
     models = []
     for member in members:
         # The CPU generator alone (models are built on the CPU): torch.manual_seed also queues
@@ -245,7 +246,9 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
         _load_states(optim, 0, states)
         joined = [Joined(m.trial_id, e if s is not None else None) for m, e, s in zip(members, epochs_done, states)]
         batch_size = workload.batch_size_for(members[0].params)
-        generator = torch.Generator().manual_seed(spec.seed)
+        # The data order is the array's members' (the first's number), not the array id's,
+        # which depends on how the database numbered earlier arrays.
+        generator = torch.Generator().manual_seed(spec.seed + min(m.number for m in members))
         member_steps, steps, train_seconds = 0, 0, 0.0
         timings["build_s"] += time.perf_counter() - clock
 

@@ -77,7 +77,8 @@ def saved(tmp_path: Path, number: int) -> dict[str, torch.Tensor]:
 
 
 def permutations(seed: int, count: int) -> list[torch.Tensor]:
-    """The data order of an array's first ``count`` epochs."""
+    """The data order of an array's first ``count`` epochs (``seed``: the spec's seed plus the
+    array's first member's number)."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randperm(1437, generator=generator) for _ in range(count)]
 
