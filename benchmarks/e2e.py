@@ -1,6 +1,6 @@
-"""End-to-end sweep time: fusetune (fused and unfused) against Ray Tune + OptunaSearch.
+"""End-to-end sweep time: fusetune (fused, learning and unfused) against Ray Tune + OptunaSearch.
 
-Runs the same sweeps, on the same machine, through three systems and prints what each
+Runs the same sweeps, on the same machine, through four systems and prints what each
 took, how good its best trial was and how busy the CPUs were:
 
 - **fusetune**: ``fusetune serve`` is started as a subprocess on a free loopback port with
@@ -8,9 +8,12 @@ took, how good its best trial was and how busy the CPUs were:
   one untimed warm-up sweep (8 trials x 1 epoch) starts its Ray worker actors, and then
   every sweep is ``POST /api/v1/studies`` against the server already up: the wall time runs
   from just before the POST until the study's ``study.completed`` event arrives on its event
-  stream (``GET /api/v1/studies/{id}/events``; the server looks for new events every 20 ms).
+  stream (``GET /api/v1/studies/{id}/events``, woken by the server as it commits the event).
   The best value is the study's ``best_trial.value``; arrays and their ``timings`` (per-phase
   seconds, where the server reports them) come from ``GET /api/v1/arrays?study_id=``.
+- **fusetune learning**: the same, with ``"max_concurrent_trials"`` half the sweep's trials in
+  the POST: the sampler asks the second half as trials of the first finish, so TPE learns
+  from them (the default asks every trial of these sweeps at once, to fill the arrays).
 - **fusetune unfused**: the same, with ``"max_array_size": 1`` in the POST (the control).
 - **raytune**: ``ray.tune.Tuner`` over a function trainable that trains the very same
   registered workload (model, search space, data, loss, metric, optimizer, batch size) one
@@ -74,8 +77,9 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-SYSTEMS = ("fusetune", "unfused", "raytune")
-SYSTEM_LABELS = {"fusetune": "fusetune", "unfused": "fusetune unfused", "raytune": "Ray Tune + Optuna"}
+SYSTEMS = ("fusetune", "learning", "unfused", "raytune")
+SYSTEM_LABELS = {"fusetune": "fusetune", "learning": "fusetune learning", "unfused": "fusetune unfused",
+                 "raytune": "Ray Tune + Optuna"}
 #: The order timing keys are printed in; keys the server reports beyond these follow, sorted.
 TIMING_ORDER = ("train_s", "eval_s", "report_s", "checkpoint_s", "sizing_s", "build_s", "wait_s", "idle_s")
 
@@ -302,7 +306,7 @@ class FusetuneServer:
 
 
 def run_study(server: FusetuneServer, sweep: Sweep, seed: int, label: str, args: argparse.Namespace,
-              max_array_size: int | None = None) -> tuple[float, float, dict[str, Any]]:
+              max_array_size: int | None = None, max_concurrent_trials: int | None = None) -> tuple[float, float, dict[str, Any]]:
     """Submit one sweep and wait for it: (wall seconds, CPU utilisation %, final study JSON).
 
     The end is the study's ``study.completed`` event, read from its event stream, which the
@@ -324,6 +328,8 @@ def run_study(server: FusetuneServer, sweep: Sweep, seed: int, label: str, args:
     }
     if max_array_size is not None:
         body["max_array_size"] = max_array_size
+    if max_concurrent_trials is not None:
+        body["max_concurrent_trials"] = max_concurrent_trials
     cpu0 = cpu_times()
     start = time.perf_counter()
     r = server.client.post("/api/v1/studies", json=body)
@@ -402,7 +408,8 @@ def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: 
                         if system == "raytune":
                             continue
                         cap = 1 if system == "unfused" else None
-                        wall, util, study = run_study(server, sweep, seed, system, args, cap)
+                        concurrent = sweep.n_trials // 2 if system == "learning" else None
+                        wall, util, study = run_study(server, sweep, seed, system, args, cap, concurrent)
                         arrays = study_arrays(server, study["id"])
                         timings: dict[str, float] = {}
                         for a in arrays:
@@ -679,31 +686,36 @@ def print_tables(runs: list[Run], sweeps: list[Sweep], backends: list[str]) -> d
     if fused:
         print("\n== Summary: speed-up = Ray Tune's mean wall time / the system's (higher: faster than Ray Tune); "
               "fusion gain = unfused / fused wall time; best = mean over seeds")
-        header = (f"{'sweep':<11}{'db':<9}{'fused x':>9}{'unfused x':>11}{'fusion gain':>13}"
-                  f"{'|best fused - best RT|':>24}{'|best unfused - best RT|':>26}")
+        header = (f"{'sweep':<11}{'db':<9}{'fused x':>9}{'learning x':>12}{'unfused x':>11}{'fusion gain':>13}"
+                  f"{'|best fused - best RT|':>24}{'|best learning - best RT|':>27}{'|best unfused - best RT|':>26}")
         print(header)
         print("-" * len(header))
     for sweep in sweeps:
         for backend in backends:
             f = by_key.get(("fusetune", backend, sweep.name))
+            lr = by_key.get(("learning", backend, sweep.name))
             u = by_key.get(("unfused", backend, sweep.name))
             r = rt.get(sweep.name)
-            if not (f or u):
+            if not (f or lr or u):
                 continue
             row = {
                 "sweep": sweep.name, "backend": backend,
                 "fused_speedup": r["wall_mean_s"] / f["wall_mean_s"] if f and r else None,
+                "learning_speedup": r["wall_mean_s"] / lr["wall_mean_s"] if lr and r else None,
                 "unfused_speedup": r["wall_mean_s"] / u["wall_mean_s"] if u and r else None,
                 "fusion_gain": u["wall_mean_s"] / f["wall_mean_s"] if f and u else None,
                 "best_diff_fused": (abs(f["best_mean"] - r["best_mean"])
                                     if f and r and None not in (f["best_mean"], r["best_mean"]) else None),
+                "best_diff_learning": (abs(lr["best_mean"] - r["best_mean"])
+                                       if lr and r and None not in (lr["best_mean"], r["best_mean"]) else None),
                 "best_diff_unfused": (abs(u["best_mean"] - r["best_mean"])
                                       if u and r and None not in (u["best_mean"], r["best_mean"]) else None),
             }
             summary.append(row)
-            print(f"{sweep.name:<11}{backend:<9}{times(row['fused_speedup']):>9}"
+            print(f"{sweep.name:<11}{backend:<9}{times(row['fused_speedup']):>9}{times(row['learning_speedup']):>12}"
                   f"{times(row['unfused_speedup']):>11}{times(row['fusion_gain']):>13}"
-                  f"{fmt(row['best_diff_fused'], '.4f'):>24}{fmt(row['best_diff_unfused'], '.4f'):>26}")
+                  f"{fmt(row['best_diff_fused'], '.4f'):>24}{fmt(row['best_diff_learning'], '.4f'):>27}"
+                  f"{fmt(row['best_diff_unfused'], '.4f'):>26}")
 
     growth_sweeps = [s for s in sweeps if s.workload == "digits-mlp" and s.epochs == 10]
     growth = []

@@ -29,6 +29,7 @@ def create_study(
     load_if_exists: bool = False,
     search_space: Mapping[str, optuna.distributions.BaseDistribution] | None = None,
     max_array_size: int | None = None,
+    max_concurrent_trials: int | None = None,
     url: str | None = None,
     token: str | None = None,
 ) -> optuna.Study:
@@ -39,7 +40,9 @@ def create_study(
     ``sampler`` and ``pruner`` are any of Optuna's own samplers and pruners built from plain
     arguments: the service rebuilds them from their class and arguments. ``metrics`` names the
     workload's metrics that are the objectives (several, with ``directions``, make the study
-    multi-objective; the workload's first metric when omitted).
+    multi-objective; the workload's first metric when omitted). ``max_concurrent_trials``
+    caps the trials asked and not finished (Ray Tune's name): the sampler then learns from
+    more finished trials, in smaller arrays.
 
     Raises:
         ValueError: naming the sampler's or pruner's class if it cannot be rebuilt, or the
@@ -70,6 +73,8 @@ def create_study(
         }
     if max_array_size is not None:
         body["max_array_size"] = max_array_size
+    if max_concurrent_trials is not None:
+        body["max_concurrent_trials"] = max_concurrent_trials
     url = service_url(url)
     with Client(url, token=token) as client:
         try:

@@ -112,12 +112,13 @@ class _Awaiting:
 def group_size(study: Study, settings: Settings, devices: int) -> int:
     """How many trials FusionSampler gives one set of shape-changing values: one device's array.
 
-    A batch of asks fills every device (``devices`` × the array size, at most ``n_trials``);
+    A batch of asks fills every device (``devices`` × the array size, at most ``n_trials`` and
+    the study's ``max_concurrent_trials``);
     each group fills one device, so a sweep that fits on the devices at once still explores
     as many shapes as there are devices, instead of one shape in one group of the array size.
     """
     cap = study.max_array_size or settings.max_array_size
-    batch = min(study.n_trials, settings.ask_batch or devices * cap)
+    batch = min(study.n_trials, settings.ask_batch or devices * cap, study.max_concurrent_trials or study.n_trials)
     return max(1, min(cap, math.ceil(batch / max(1, devices))))
 
 
@@ -521,6 +522,11 @@ class Coordinator(StudyLifecycle):
             select(func.count()).where(Trial.study_id == study.id, Trial.state == TrialState.WAITING)
         )
         wanted = min(study.n_trials - asked, (self.settings.ask_batch or self._capacity()) - waiting)
+        if study.max_concurrent_trials is not None:
+            unfinished = session.scalar(
+                select(func.count()).where(Trial.study_id == study.id, Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
+            )
+            wanted = min(wanted, study.max_concurrent_trials - unfinished)
         if wanted <= 0 or not self._workload_loads(session, study):
             return
         try:

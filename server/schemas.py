@@ -256,6 +256,12 @@ class StudyCreate(BaseModel):
         "or pruner. fusetune.client.optimize drives a user's own Optuna study this way.",
     )
     max_array_size: OptionalJsonInt = Field(None, gt=0, le=4096)
+    max_concurrent_trials: OptionalJsonInt = Field(
+        None, gt=0, le=100_000,
+        description="Most of the study's trials asked and not yet finished at once (Ray Tune's "
+        "max_concurrent_trials): the sampler asks the next ones as trials finish, so it learns from "
+        "more finished trials, at the price of smaller arrays. Default: enough to fill every worker's array.",
+    )
     optimizer: OptimizerSpec | None = Field(
         None, description="The trials' optimizer; default: the workload's. A trial param `optimizer` overrides it."
     )
@@ -432,6 +438,7 @@ class StudyOut(BaseModel):
     pruner: dict[str, Any] | None
     driver: Literal["service", "client"] = "service"
     max_array_size: int | None
+    max_concurrent_trials: int | None
     state: StudyState = Field(
         description="RUNNING; PAUSED (POST .../resume runs it again); COMPLETE (PATCH n_trials may reopen it); "
         "CANCELLED; FAILED (every trial failed, or its workload cannot be loaded: see `error`); DELETING "

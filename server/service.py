@@ -155,6 +155,7 @@ def create_study(
         sampler={**request.sampler.model_dump(), **({} if request.fusion_sampler else {"fusion": False})},
         pruner=request.pruner.model_dump() if request.pruner else None,
         max_array_size=request.max_array_size,
+        max_concurrent_trials=request.max_concurrent_trials,
         driver=request.driver,
         optuna_study_id=optuna_study._study_id,
     )

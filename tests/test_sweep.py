@@ -13,6 +13,7 @@ import pytest
 
 from fusetune.client import Client
 from tests.conftest import members_at_once, running_service
+from tests.sse import events_of
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +97,20 @@ def test_a_seeded_study_run_again_trains_the_same_model(service: Client) -> None
     assert first_array != second_array
     assert first["params"] == second["params"]
     assert first["intermediate_values"] == second["intermediate_values"] and first["value"] == second["value"]
+
+
+def test_max_concurrent_trials_caps_the_trials_asked_and_not_finished(service: Client) -> None:
+    """Ray Tune's max_concurrent_trials: never more than two trials asked and not yet ended,
+    so the sampler asks each later trial after earlier ones finished (and learns from them)."""
+    study = service.create_study(
+        "digits-mlp", n_trials=5, epochs=1, name="capped", search_space=SPACE, max_concurrent_trials=2,
+        sampler={"name": "TPESampler", "kwargs": {"seed": 0, "n_startup_trials": 2}},
+    )
+    assert study["max_concurrent_trials"] == 2
+    assert service.wait(study["id"], timeout=300)["trial_counts"]["COMPLETE"] == 5
+    response = service._http.get(f"/api/v1/studies/{study['id']}/events", params={"after": 0, "follow": "false"})
+    in_flight, most = 0, 0
+    for event in events_of(response.text):  # in the order they were committed
+        in_flight += {"trial.asked": 1, "trial.ended": -1}.get(event["event"], 0)
+        most = max(most, in_flight)
+    assert most == 2 and in_flight == 0

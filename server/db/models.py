@@ -151,6 +151,8 @@ class Study(Base):
     sampler: Mapped[dict[str, Any]] = mapped_column(JSON)
     pruner: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     max_array_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Most trials asked and not finished at once (None: enough to fill the workers' arrays).
+    max_concurrent_trials: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: "service": its sampler and pruner run here; "client": its client enqueues trials and prunes.
     driver: Mapped[str] = mapped_column(String(16), default="service", server_default="service")
     optuna_study_id: Mapped[int] = mapped_column(Integer, unique=True)

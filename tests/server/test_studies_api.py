@@ -75,6 +75,8 @@ def test_search_space_accepts_distribution_objects(api: httpx.Client) -> None:
         ({"n_trials": 0}, ["body", "n_trials"]),
         ({"n_trials": -3}, ["body", "n_trials"]),
         ({"epochs": 0}, ["body", "epochs"]),
+        ({"max_concurrent_trials": 0}, ["body", "max_concurrent_trials"]),
+        ({"max_concurrent_trials": "four"}, ["body", "max_concurrent_trials"]),
         ({"direction": "sideways"}, ["body", "direction"]),
         ({"search_space": {"lr": "{not json"}}, ["body", "search_space"]),
         ({"search_space": {"lr": '{"name": "NoSuchDistribution", "attributes": {}}'}}, ["body", "search_space"]),
