@@ -311,7 +311,7 @@ class StudyCreate(BaseModel):
     @model_validator(mode="after")
     def _client_driven_names_no_sampler_or_pruner(self) -> StudyCreate:
         if self.driver == "client":
-            for name in ("sampler", "pruner"):
+            for name in ("sampler", "pruner", "max_concurrent_trials"):
                 if name in self.model_fields_set:
                     raise ValueError(f"{name}: a client-driven study has none; its client asks and prunes")
         return self

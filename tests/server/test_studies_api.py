@@ -77,6 +77,7 @@ def test_search_space_accepts_distribution_objects(api: httpx.Client) -> None:
         ({"epochs": 0}, ["body", "epochs"]),
         ({"max_concurrent_trials": 0}, ["body", "max_concurrent_trials"]),
         ({"max_concurrent_trials": "four"}, ["body", "max_concurrent_trials"]),
+        ({"driver": "client", "max_concurrent_trials": 4}, ["body"]),  # its client asks the trials
         ({"direction": "sideways"}, ["body", "direction"]),
         ({"search_space": {"lr": "{not json"}}, ["body", "search_space"]),
         ({"search_space": {"lr": '{"name": "NoSuchDistribution", "attributes": {}}'}}, ["body", "search_space"]),
