@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import optuna
 from optuna.trial import TrialState as OptunaState
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
@@ -55,7 +55,7 @@ from fusetune.server.db import (
 )
 from fusetune.server import events
 from fusetune.server.lifecycle import STOPPING, StudyLifecycle
-from fusetune.server.db.revisions import touch_trials
+from fusetune.server.db.revisions import next_revision, touch_trials
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
@@ -942,6 +942,7 @@ class Coordinator(StudyLifecycle):
         optuna_id = live.optuna_ids
         where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
         ended: list[int] = []
+        ends: list[dict[str, Any]] = []  # their rows' new columns (_ending)
         for joined in report.joined:
             if joined.trial_id in live.announced:  # a first member: its trial.started came with the array
                 live.announced.discard(joined.trial_id)
@@ -976,11 +977,11 @@ class Coordinator(StudyLifecycle):
                     mirror.set_user_attrs(session, trial_id, {"state_dict": member.state_dict})
                 # Every objective (a multi-objective study's list); the first is also fusetune's value.
                 mirror.tell(session, trial_id, OptunaState.COMPLETE, list(member.values) or member.value)
-                _finish(session, member.trial_id, TrialState.COMPLETE, now, value=member.value, event=where)
+                ends.append(_ending(session, member.trial_id, TrialState.COMPLETE, value=member.value, event=where))
                 ended.append(member.trial_id)
             elif member.state == "FAIL":
                 mirror.tell(session, trial_id, OptunaState.FAIL)
-                _finish(session, member.trial_id, TrialState.FAIL, now, error=member.error, event=where)
+                ends.append(_ending(session, member.trial_id, TrialState.FAIL, error=member.error, event=where))
                 ended.append(member.trial_id)
             elif member.trial_id in report.released or self._halting.get(live.study_id) in STOPPING:
                 continue  # leaving at this boundary (its next array decides), or at the next: its study stops
@@ -988,9 +989,21 @@ class Coordinator(StudyLifecycle):
                 awaiting[member.trial_id] = member.step
             elif mirror.should_prune(session, trial_id):
                 mirror.tell(session, trial_id, OptunaState.PRUNED)
-                _finish(session, member.trial_id, TrialState.PRUNED, now, value=member.value, event=where)
+                ends.append(_ending(session, member.trial_id, TrialState.PRUNED, value=member.value, event=where))
                 prune.add(member.trial_id)
                 ended.append(member.trial_id)
+        if ends:
+            # The members that ended, in one executemany: an array's last epoch ends all of
+            # them. touch_trials above stamps their revision; the counter is taken first, as
+            # before any trial row is written (server/db/revisions.py: no deadlocks).
+            next_revision(session)
+            trials = Trial.__table__
+            session.connection().execute(
+                update(trials)
+                .where(trials.c.id == bindparam("ended_id"))
+                .values(state=bindparam("ended_state"), value=bindparam("ended_value"), error=bindparam("ended_error"), completed_at=now),
+                ends,
+            )
         if report.released and not self._stop_report(session, mirror, live, report, now):
             # preempted or paused: waits for its next array, Optuna keeps it RUNNING
             session.execute(
@@ -1262,6 +1275,17 @@ def _finish(
     session.execute(update(Trial).where(Trial.id == trial_id).values(state=state, completed_at=now, error=error, value=value))
     if event is not None:
         events.record(session, "trial.ended", **event, trial_id=trial_id, state=state.value, value=value, error=error)
+
+
+def _ending(
+    session: Session, trial_id: int, state: TrialState, *, value: float | None = None, error: str | None = None,
+    event: Mapping[str, Any],
+) -> dict[str, Any]:
+    """:func:`_finish` for a member of an array-epoch: its ``trial.ended`` event now, and the
+    parameters of its row's update, which the array-epoch makes for all its ended members at once."""
+    value = value if value is not None and math.isfinite(value) else None
+    events.record(session, "trial.ended", **event, trial_id=trial_id, state=state.value, value=value, error=error)
+    return {"ended_id": trial_id, "ended_state": state, "ended_value": value, "ended_error": error}
 
 
 def _json_number(value: float | None) -> float | None:
