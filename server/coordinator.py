@@ -1269,22 +1269,25 @@ def _finish(
     session: Session, trial_id: int, state: TrialState, now: Any, value: float | None = None, error: str | None = None,
     event: Mapping[str, Any] | None = None,
 ) -> None:
-    """End fusetune's row of a trial (Optuna's is the mirror's); ``event``: the tenant,
-    study and array of its ``trial.ended`` event, in the same transaction."""
-    value = value if value is not None and math.isfinite(value) else None
-    session.execute(update(Trial).where(Trial.id == trial_id).values(state=state, completed_at=now, error=error, value=value))
-    if event is not None:
-        events.record(session, "trial.ended", **event, trial_id=trial_id, state=state.value, value=value, error=error)
+    """End fusetune's row of a trial (Optuna's is the mirror's) with its ``trial.ended``
+    event (``event``: its tenant, study and array), in the same transaction."""
+    ending = _ending(session, trial_id, state, value=value, error=error, event=event or {})
+    session.execute(
+        update(Trial).where(Trial.id == trial_id)
+        .values(state=state, completed_at=now, error=ending["ended_error"], value=ending["ended_value"])
+    )
 
 
 def _ending(
     session: Session, trial_id: int, state: TrialState, *, value: float | None = None, error: str | None = None,
     event: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """:func:`_finish` for a member of an array-epoch: its ``trial.ended`` event now, and the
-    parameters of its row's update, which the array-epoch makes for all its ended members at once."""
+    """A trial's ``trial.ended`` event (``event``: its tenant, study and array; none if
+    empty), and the parameters of its row's update: an array-epoch ends all its members'
+    rows in one statement, :func:`_finish` one trial's."""
     value = value if value is not None and math.isfinite(value) else None
-    events.record(session, "trial.ended", **event, trial_id=trial_id, state=state.value, value=value, error=error)
+    if event:
+        events.record(session, "trial.ended", **event, trial_id=trial_id, state=state.value, value=value, error=error)
     return {"ended_id": trial_id, "ended_state": state, "ended_value": value, "ended_error": error}
 
 

@@ -12,7 +12,7 @@ import optuna
 import pytest
 
 from fusetune.client import Client
-from tests.conftest import members_at_once, running_service
+from tests.conftest import _postgres_database, members_at_once, running_service
 from tests.sse import events_of
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,17 @@ SPACE = {
 }
 
 
-@pytest.fixture
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One database per backend for the module's tests, which share one service on it (its
+    start is most of a test's time); each test's studies have names of their own."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'fusetune.db'}"
+    else:
+        yield from _postgres_database()
+
+
+@pytest.fixture(scope="module")
 def service(ray_cluster: str, database_url: str) -> Iterator[Client]:
     with running_service(ray_cluster, database_url, max_array_size=4) as client:
         yield client
