@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import signal
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -151,7 +152,14 @@ class Leadership:
 
         with self._guard:
             if not ray.is_initialized():
+                # ray.init, from the main thread, replaces the SIGTERM handler with one that
+                # raises SystemExit inside uvicorn's event loop: `docker stop` would then kill
+                # the server mid-request, without the lifespan's shutdown (the pool, this lock).
+                # uvicorn's own handler (a graceful shutdown) is put back.
+                on_sigterm = signal.getsignal(signal.SIGTERM)
                 ray.init(address=self.settings.ray_address, include_dashboard=False, log_to_driver=False)
+                if threading.current_thread() is threading.main_thread() and on_sigterm is not None:
+                    signal.signal(signal.SIGTERM, on_sigterm)
             pool = make_pool(self.settings)
             coordinator = Coordinator(self.settings, pool)
             coordinator.start()

@@ -8,6 +8,7 @@ with its own local Ray, so that ``kill -9`` takes all of it at once, as a crash 
 from __future__ import annotations
 
 import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -144,3 +145,24 @@ def test_a_standby_server_serves_reads_and_takes_over_when_the_scheduler_dies(da
 
 def make_backend(url: str) -> str:
     return sa.engine.make_url(url).get_backend_name()
+
+
+def test_sigterm_shuts_the_service_down_gracefully_mid_sweep(tmp_path: Path) -> None:
+    """``docker stop`` sends SIGTERM to the server: uvicorn's graceful shutdown runs (the
+    lifespan stops the scheduling loop and the pool), not Ray's handler, which would raise
+    SystemExit inside the event loop."""
+    url, artifacts = f"sqlite:///{tmp_path / 'fusetune.db'}", tmp_path / "artifacts"
+    service = ServiceProcess(env_for(url, artifacts), tmp_path / "serve.log", secrets.token_urlsafe(24)).start()
+    try:
+        service.healthy()
+        with Client(service.url, token=service.token()) as client:
+            start_sweep(client, url, "sigterm", epochs=60)  # an array is training
+        assert service.proc is not None
+        service.proc.send_signal(signal.SIGTERM)
+        # uvicorn re-raises the signal once it has shut down, so the exit status says SIGTERM.
+        assert service.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        log = (tmp_path / "serve.log").read_text(errors="replace")
+        assert "Application shutdown complete." in log
+        assert "SystemExit" not in log and "Traceback" not in log
+    finally:
+        service.stop()
