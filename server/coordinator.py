@@ -17,7 +17,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -352,15 +352,24 @@ class Coordinator(StudyLifecycle):
             studies = session.scalars(
                 select(Study).where(Study.state == StudyState.RUNNING).order_by(Study.id)
             ).all()
+            # A study whose last trials were recorded ends first: its stream says so before
+            # anything else this round does.
+            for study in studies:
+                self._maybe_complete(session, study)
             # Trials asked earlier go to free workers first; asking for more (TPE's cost grows
             # with the study) then happens while they train, and only a worker still idle
-            # waits for it.
+            # waits for it. While workers are idle, a study is asked one group at a time (one
+            # array's worth of FusionSampler trials) and each group starts before the next is
+            # asked: a sweep's first array starts after a group's asks, not after all of them.
             self._dispatch(session)
-            for study in studies:
-                self._ask_alone(session, study)
-            if self.pool.idle():
-                self._dispatch(session)
-            for study in studies:
+            asking = [s for s in studies if s.state == StudyState.RUNNING]
+            while asking:
+                one_group = bool(self.pool.idle())
+                asking = [s for s in asking if self._ask_alone(session, s, one_group)]
+                if self.pool.idle():
+                    # A device is kept for the groups still to come, not given to half of this one.
+                    self._dispatch(session, asking={s.id for s in asking})
+            for study in studies:  # trials a search space rejected ended as they were asked
                 self._maybe_complete(session, study)
 
     def _handle(self, events: Sequence[Event]) -> bool:
@@ -513,10 +522,12 @@ class Coordinator(StudyLifecycle):
         """How many trials the devices can train at once: the most waiting trials worth asking for."""
         return max(1, len(self.pool.workers)) * self.settings.max_array_size
 
-    def _ask(self, session: Session, study: Study) -> None:
-        """Ask the study's sampler for enough trials to fill every device, in one transaction."""
+    def _ask(self, session: Session, study: Study, one_group: bool = False) -> bool:
+        """Ask the study's sampler for enough trials to fill every device, in one transaction;
+        with ``one_group``, for at most one array's worth (FusionSampler's group). Returns
+        whether the study wanted more than it asked."""
         if study.driver == "client":
-            return  # its client asks the trials and enqueues them
+            return False  # its client asks the trials and enqueues them
         asked = session.scalar(select(func.count()).where(Trial.study_id == study.id))
         waiting = session.scalar(
             select(func.count()).where(Trial.study_id == study.id, Trial.state == TrialState.WAITING)
@@ -528,20 +539,22 @@ class Coordinator(StudyLifecycle):
             )
             wanted = min(wanted, study.max_concurrent_trials - unfinished)
         if wanted <= 0 or not self._workload_loads(session, study):
-            return
+            return False
+        asking = min(wanted, group_size(study, self.settings, len(self.pool.workers))) if one_group else wanted
         try:
-            self._ask_into(session, study, wanted)
+            self._ask_into(session, study, asking)
             session.commit()
         except Exception:
             session.rollback()
             self._mirrors.pop(study.id, None)  # what it asked was not written: reload from the database
             raise
+        return wanted > asking
 
-    def _ask_alone(self, session: Session, study: Study) -> None:
+    def _ask_alone(self, session: Session, study: Study, one_group: bool = False) -> bool:
         """:meth:`_ask`, so that a study whose sampler (or workload) raises fails alone, with its
         error, while the others go on; the database being unreachable stops the round as ever."""
         try:
-            self._ask(session, study)
+            return self._ask(session, study, one_group)
         except Exception as exc:
             if database_unavailable(exc):
                 raise
@@ -550,6 +563,7 @@ class Coordinator(StudyLifecycle):
             fail = getattr(self, "_fail", None)  # server/lifecycle.py: the study ends FAILED with the reason
             if fail is not None:
                 fail(session, study, reason)
+            return False
 
     def enqueue(self, study_id: int, params: Mapping[str, Any], user_attrs: Mapping[str, Any]) -> Trial:
         """Optuna's ``enqueue_trial``, asked at once: the study's next trial has these params.
@@ -609,8 +623,11 @@ class Coordinator(StudyLifecycle):
         return rows
 
     # -- dispatching ---------------------------------------------------------------------------
-    def _dispatch(self, session: Session) -> None:
+    def _dispatch(self, session: Session, asking: Collection[int] = ()) -> None:
         """One scheduling round: the scheduler decides, arrays start on the idle devices it fills.
+
+        ``asking``: studies that this step asks more trials of next; an idle device their
+        classes do not need yet is kept for those (see :meth:`_spread_classes`).
 
         The scheduler sees every unfinished trial, every device and the running arrays, and
         returns the placements fair across tenants (by weight) and across device types. A
@@ -658,7 +675,7 @@ class Coordinator(StudyLifecycle):
             current = self._running.get(placement.device_id)
             if placement.device_id in busy and current is not None and current.signature == placement.signature:
                 self._running[placement.device_id] = dataclasses.replace(current, lease_expires=placement.lease_expires)
-        placements = self._spread_classes(decision.placements, idle, waiting)
+        placements = self._spread_classes(decision.placements, idle, waiting, asking)
         topped: set[str] = set()
         starts = Counter(p.signature for p in placements if p.device_id in idle and any(i in waiting for i in p.trial_ids))
         for placement in placements:
@@ -744,7 +761,8 @@ class Coordinator(StudyLifecycle):
         self._running[worker.name] = dataclasses.replace(current, trial_ids=tuple(present + [t.id for t in joining]))
 
     def _spread_classes(
-        self, placements: Sequence[Placement], idle: Mapping[str, WorkerHandle], waiting: Mapping[int, tuple[Any, Study]]
+        self, placements: Sequence[Placement], idle: Mapping[str, WorkerHandle], waiting: Mapping[int, tuple[Any, Study]],
+        asking: Collection[int] = (),
     ) -> list[Placement]:
         """Give an idle device the scheduler put a class on that needs no more arrays to
         another waiting class of the same tenant that got no device this round.
@@ -754,6 +772,8 @@ class Coordinator(StudyLifecycle):
         its trials then train in half-size arrays while the other class waits for a device.
         A class needs ``ceil(waiting / array cap)`` arrays; devices beyond that go to a
         class that is waiting, so both classes train at once, each in one large array.
+        When none is waiting yet but the class's study is being asked for more (``asking``),
+        the device stays idle for the next group instead.
         """
         queues: dict[str, list[int]] = {}
         for trial_id, (trial, _) in waiting.items():
@@ -771,6 +791,8 @@ class Coordinator(StudyLifecycle):
                     )
                     if spare is not None:
                         p = Placement(p.device_id, spare, p.tenant, tuple(queues[spare][: cap[spare]]), p.lease_expires)
+                    elif waiting[queues[p.signature][0]][1].id in asking:
+                        continue
                 given[p.signature] += 1
             out.append(p)
         return out

@@ -13,6 +13,7 @@ import pytest
 
 from fusetune.client import Client
 from tests.conftest import _postgres_database, members_at_once, running_service
+from tests.faults import wait_until
 from tests.sse import events_of
 
 pytestmark = pytest.mark.slow
@@ -124,3 +125,23 @@ def test_max_concurrent_trials_caps_the_trials_asked_and_not_finished(service: C
         in_flight += {"trial.asked": 1, "trial.ended": -1}.get(event["event"], 0)
         most = max(most, in_flight)
     assert most == 2 and in_flight == 0
+
+
+def test_idle_devices_get_each_group_as_soon_as_it_is_asked(service: Client) -> None:
+    """While devices are idle, a study is asked one FusionSampler group (one array's worth)
+    at a time, and each group starts on a device before the next is asked; the devices left
+    are kept for the groups to come, not given half of the first one."""
+    wait_until(lambda: not service.arrays(state="RUNNING"), "the workers of earlier tests to be idle")
+    devices = service.health()["workers"]
+    study = service.create_study(
+        "digits-mlp", n_trials=2 * devices, epochs=1, name="per-group", search_space=SPACE, max_array_size=4,
+        sampler={"name": "RandomSampler", "kwargs": {"seed": 5}},
+    )
+    assert service.wait(study["id"], timeout=300)["trial_counts"]["COMPLETE"] == 2 * devices
+    response = service._http.get(f"/api/v1/studies/{study['id']}/events", params={"after": 0, "follow": "false"})
+    kinds = [e["event"] for e in events_of(response.text)]  # in the order they were committed
+    first_array = kinds.index("array.started")
+    asked_before = kinds[:first_array].count("trial.asked")
+    assert asked_before == 2  # the sweep's 2 x devices trials make groups of two, one per device
+    assert kinds[first_array:].count("trial.asked") == 2 * devices - 2
+    assert [a["size"] for a in service.arrays(study["id"])] == [2] * devices

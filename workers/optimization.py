@@ -20,6 +20,7 @@ array's membership changes.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -67,7 +68,7 @@ LR_SCHEDULERS: dict[str, type[FusedLRScheduler]] = {
 TRAINING_PARAMS = ("optimizer", "lr_scheduler", "warmup_epochs", "max_norm", "beta1", "beta2")
 
 # Scheduler arguments a request never sets: fusetune steps the schedule itself.
-_SCHEDULER_INTERNAL = {"self", "optimizer", "last_epoch", "verbose"}
+_SCHEDULER_INTERNAL = frozenset({"self", "optimizer", "last_epoch", "verbose"})
 
 _REQUIRED = inspect.Parameter.empty
 
@@ -102,14 +103,19 @@ def lr_scheduler_name(name: object) -> str:
 
 def optimizer_arguments(name: str) -> dict[str, Any]:
     """The fused optimizer's constructor arguments after ``params``, with their defaults."""
-    signature = inspect.signature(OPTIMIZERS[optimizer_name(name)].__init__)
-    return {p.name: p.default for p in signature.parameters.values() if p.name not in ("self", "params")}
+    return dict(_arguments(OPTIMIZERS[optimizer_name(name)].__init__, ("self", "params")))
 
 
 def lr_scheduler_arguments(name: str) -> dict[str, Any]:
     """The torch scheduler's constructor arguments, with their defaults (``inspect.Parameter.empty``: required)."""
-    signature = inspect.signature(LR_SCHEDULERS[lr_scheduler_name(name)].torch_cls.__init__)
-    return {p.name: p.default for p in signature.parameters.values() if p.name not in _SCHEDULER_INTERNAL}
+    return dict(_arguments(LR_SCHEDULERS[lr_scheduler_name(name)].torch_cls.__init__, _SCHEDULER_INTERNAL))
+
+
+@functools.cache
+def _arguments(init: Callable[..., Any], internal: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+    # Read once per class: every trial the control plane asks resolves its recipe, and
+    # inspect.signature was a fifth of that.
+    return tuple((p.name, p.default) for p in inspect.signature(init).parameters.values() if p.name not in internal)
 
 
 def _member_hparams(name: str) -> tuple[str, ...]:
