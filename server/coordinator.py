@@ -933,6 +933,16 @@ class Coordinator(StudyLifecycle):
                     self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
                     live.epochs_done, live.timings, live.checkpoints, live.announced, live.steps = before
                 raise
+            # A study whose last trials these epochs ended completes now, not a round later.
+            ended = {self._live[r.array_id].study_id for (_, r), (prune, _) in zip(reports, decided) if prune or any(m.state for m in r.members)}
+            for study_id in ended:
+                try:
+                    study = session.get(Study, study_id)
+                    if study is not None:
+                        self._maybe_complete(session, study)
+                except Exception:  # recorded already: the next round completes it
+                    session.rollback()
+                    log.warning("study %d: could not complete it with its last epoch", study_id, exc_info=True)
         replies: list[EpochReply | None] = []
         for (worker, report), (prune, awaiting) in zip(reports, decided):
             self._release_halted(worker, self._live[report.array_id], report, prune)
@@ -1213,7 +1223,6 @@ class Coordinator(StudyLifecycle):
         live = self._live.pop(spec.array_id, None)
         with self.sessions() as session:
             array = session.get(Array, spec.array_id)
-            mirror = self._mirror_of(session, array.study_id)
             try:
                 if isinstance(result, ArrayOutcome):
                     array.state = ArrayState.FAIL if result.error else ArrayState.COMPLETE
@@ -1247,7 +1256,9 @@ class Coordinator(StudyLifecycle):
                         requeued.append(trial.id)
                         continue
                     error = result.failed.get(trial.id, result.error) if isinstance(result, ArrayOutcome) else None
-                    mirror.tell(session, trial.optuna_trial_id, OptunaState.FAIL)
+                    # Loaded only here: an array whose members all ended needs no mirror, and its
+                    # study may have completed (and dropped its mirror) with their last epoch.
+                    self._mirror_of(session, array.study_id).tell(session, trial.optuna_trial_id, OptunaState.FAIL)
                     trial.state, trial.completed_at, trial.error = TrialState.FAIL, now, error or array.error
                     events.record(session, "trial.ended", **where, trial_id=trial.id, state="FAIL", value=None, error=trial.error)
                 events.record(session, "array.ended", **where, state=array.state.value, error=array.error, requeued=requeued)

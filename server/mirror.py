@@ -38,7 +38,7 @@ from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, insert, update
 from sqlalchemy.orm import Session
 
-from fusetune.server.db.bulk import add_rows, insert_rows, write_pending
+from fusetune.server.db.bulk import add_rows, add_updates, insert_rows, write_pending
 
 __all__ = ["AskedTrial", "StudyMirror"]
 
@@ -252,7 +252,9 @@ class StudyMirror:
     def _write_attrs(session: Session, model: Any, trial_id: int, attrs: Mapping[str, Any], existing: set[str]) -> None:
         table = model.__table__
         new = [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items() if k not in existing]
-        insert_rows(session, table, new)
+        add_rows(session, table, new)  # with the transaction's others, at its commit
+        if existing & set(attrs):
+            write_pending(session, table)  # the key's row may still be held back
         for key in existing & set(attrs):
             session.execute(
                 update(table).where(table.c.trial_id == trial_id, table.c.key == key).values(value_json=json.dumps(attrs[key]))
@@ -285,15 +287,14 @@ class StudyMirror:
             # call Study.stop, which raises outside Study.optimize); the trial has ended.
             pass
         frozen = self._memory.get_trial(memory_id)
-        trials = rdb.TrialModel.__table__
-        session.execute(
-            update(trials)
-            .where(trials.c.trial_id == trial_id)
-            .values(state=frozen.state, datetime_complete=frozen.datetime_complete or datetime.now())
-        )
+        # Held back to the commit: an array's last epoch ends all its members, in one
+        # statement per table instead of two or three per member.
+        add_updates(session, rdb.TrialModel.__table__, "trial_id", [
+            {"trial_id": trial_id, "state": frozen.state, "datetime_complete": frozen.datetime_complete or datetime.now()}
+        ])
         if frozen.values is not None:
             rows = []
             for objective, value in enumerate(frozen.values):
                 stored, kind = rdb.TrialValueModel.value_to_stored_repr(value)
                 rows.append({"trial_id": trial_id, "objective": objective, "value": stored, "value_type": kind})
-            session.execute(insert(rdb.TrialValueModel.__table__), rows)
+            add_rows(session, rdb.TrialValueModel.__table__, rows)

@@ -12,6 +12,8 @@ is already cheap in process.
 :func:`add_rows` holds rows back until the transaction commits, so that what a transaction
 adds to a table in many calls (an array-epoch's events, member by member; the intermediate
 values of the several array-epochs the loop records together) is still one statement.
+:func:`add_updates` does the same for rows changed one by one (the Optuna trials an array's
+last epoch ends): one ``executemany`` per table and set of columns at the commit.
 
 Values go through each column's own bind processing first (a JSON column's serialiser, an
 enum's name, :class:`~fusetune.server.db.models.UTCDateTime`), so a row reads back exactly
@@ -23,13 +25,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Table, event, insert
+from sqlalchemy import Table, bindparam, event, insert, update
 from sqlalchemy.orm import Session, SessionTransaction
 
-__all__ = ["add_rows", "insert_rows", "write_pending"]
+__all__ = ["add_rows", "add_updates", "insert_rows", "write_pending"]
 
 #: Key, in ``Session.info``, of the rows :func:`add_rows` holds back: table -> rows, in order.
 _PENDING = "fusetune.bulk"
+#: Key, in ``Session.info``, of the changes :func:`add_updates` holds back: table -> runs of
+#: changes to the same columns, in order, each ``((key column, changed columns), rows)``.
+_UPDATES = "fusetune.bulk.updates"
 
 
 def add_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -45,13 +50,38 @@ def add_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]]) 
         session.info.setdefault(_PENDING, {}).setdefault(table, []).extend(rows)
 
 
+def add_updates(session: Session, table: Table, key: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Set, when the session's transaction commits, each row's values on the row of ``table``
+    whose ``key`` column equals the row's ``key`` value, after the changes added before them.
+
+    Held back like :func:`add_rows` (a statement of the same transaction that reads or
+    changes the table must come after :func:`write_pending`).
+    """
+    if rows:
+        if not session.in_transaction():
+            session.connection()
+        runs = session.info.setdefault(_UPDATES, {}).setdefault(table, [])
+        for row in rows:
+            shape = (key, tuple(sorted(c for c in row if c != key)))
+            if runs and runs[-1][0] == shape:
+                runs[-1][1].append(row)
+            else:  # a change to other columns starts a new statement, so the order holds
+                runs.append((shape, [row]))
+
+
 def write_pending(session: Session, table: Table | None = None) -> None:
-    """Insert now what :func:`add_rows` holds back for ``table`` (every table: None)."""
+    """Write now what :func:`add_rows` and :func:`add_updates` hold back for ``table`` (every table: None)."""
     pending: dict[Table, list[Mapping[str, Any]]] = session.info.get(_PENDING, {})
     for held in [table] if table is not None else list(pending):
         rows = pending.pop(held, None)
         if rows:
             insert_rows(session, held, rows)
+    changes: dict[Table, list[tuple[tuple[str, tuple[str, ...]], list[Mapping[str, Any]]]]] = session.info.get(_UPDATES, {})
+    for held in [table] if table is not None else list(changes):
+        for (key, columns), rows in changes.pop(held, []):
+            # Bound names apart from the columns' own (SQLAlchemy reserves those for SET).
+            statement = update(held).where(held.c[key] == bindparam(f"_{key}")).values({c: bindparam(f"_{c}") for c in columns})
+            session.connection().execute(statement, [{f"_{k}": v for k, v in row.items()} for row in rows])
 
 
 @event.listens_for(Session, "before_commit")
@@ -63,6 +93,7 @@ def _write_at_commit(session: Session) -> None:
 def _drop_pending(session: Session, transaction: SessionTransaction) -> None:
     if transaction.parent is None:  # ended without a commit: its rows go with it
         session.info.pop(_PENDING, None)
+        session.info.pop(_UPDATES, None)
 
 
 def insert_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]]) -> None:
