@@ -28,6 +28,13 @@ took, how good its best trial was and how busy the CPUs were:
 CPU utilisation is system-wide, from /proc/stat between the start and the end of a timed
 sweep: busy / total jiffies over all cores. Other load on the machine shows up in it.
 
+fusetune's time outside training and evaluation is shown two ways: of wall x workers (every
+worker-second that did not train or evaluate: idle workers included, such as the worker of
+a sweep's cheaper class once its array is done), and on the critical path: the wall time
+less the training and evaluation of the worker whose last array ended last, i.e. what the
+user waited for beyond training (the asks and scheduling before its first array, builds,
+reporting, final saves, the study's end and its event reaching the client).
+
 Sweeps (``--sweeps``): mlp-64x10 and cnn-32x5 over every seed of ``--seeds``; mlp-256x10 and
 mlp-512x10 with the first seed only, to show how the time grows with the number of trials.
 
@@ -122,6 +129,9 @@ class Run:
     timings: dict[str, float] = field(default_factory=dict)  # summed over the study's arrays
     workers: int | None = None
     trial_counts: dict[str, int] = field(default_factory=dict)
+    # Training and evaluation on the sweep's critical path: the worker whose last array ended
+    # last (see critical_train_eval).
+    critical_train_eval_s: float | None = None
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -386,6 +396,22 @@ def idle_worker_seconds(study: dict[str, Any], arrays: list[dict[str, Any]], wor
     return max(0.0, span * workers - busy)
 
 
+def critical_train_eval(arrays: list[dict[str, Any]]) -> float | None:
+    """Seconds of training and evaluation of the worker whose last array ended last.
+
+    The sweep's wall time less these is what the user waits for beyond training on the
+    sweep's critical path: the asks and scheduling before it starts, each array's build,
+    reporting and final saves, the end of the study and its event reaching the client.
+    (Workers idle because the other classes' arrays are shorter show in ``idle_s``.)
+    """
+    done = [a for a in arrays if a.get("completed_at") and a.get("worker")]
+    if not done:
+        return None
+    last = max(done, key=lambda a: a["completed_at"])["worker"]
+    return sum((a.get("timings") or {}).get("train_s", 0.0) + (a.get("timings") or {}).get("eval_s", 0.0)
+               for a in done if a["worker"] == last)
+
+
 def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: list[int], systems: list[str],
                    args: argparse.Namespace) -> list[Run]:
     """Every (sweep, seed) through one server that stays up; fused and unfused runs interleaved."""
@@ -427,6 +453,7 @@ def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: 
                             width=(sum(a["size"] for a in arrays) * sweep.epochs / max(1, sum(a["epochs_done"] for a in arrays))
                                    if arrays else None),
                             timings=timings, workers=workers, trial_counts=study.get("trial_counts", {}),
+                            critical_train_eval_s=critical_train_eval(arrays),
                         )
                         runs.append(run)
                         print_progress(run)
@@ -622,6 +649,9 @@ def aggregate(key: tuple[str, str, str], runs: list[Run]) -> dict[str, Any]:
         "cpu_util_mean": statistics.fmean(r.cpu_util for r in runs),
         "timings_mean_s": timings,
         "workers": runs[0].workers,
+        # mean over seeds of 1 - critical path's train+eval / wall
+        "outside_critical": (statistics.fmean(1 - r.critical_train_eval_s / r.wall_s for r in runs)
+                             if all(r.critical_train_eval_s is not None for r in runs) else None),
     }
 
 
@@ -661,11 +691,12 @@ def print_tables(runs: list[Run], sweeps: list[Sweep], backends: list[str]) -> d
         keys = [k for k in TIMING_ORDER if any(k in a["timings_mean_s"] for a in fused)]
         keys += sorted({k for a in fused for k in a["timings_mean_s"]} - set(keys))
         print("\n== fusetune time breakdown: seconds summed over a study's arrays (mean over seeds), "
-              "and % of wall x workers")
+              "and % of wall x workers; outside train+eval: of wall x workers (idle workers included), "
+              "and of the wall time on the critical path (the worker that finished last)")
         if not keys:
             print("(the server's arrays carry no `timings`: nothing to break down)")
         header = f"{'sweep':<11}{'system':<19}{'db':<9}{'workers':>8}" + "".join(f"{k:>18}" for k in keys) + \
-            f"{'outside train+eval':>20}"
+            f"{'outside train+eval':>20}{'on critical path':>18}"
         print(header)
         print("-" * len(header))
         for a in fused:
@@ -677,8 +708,9 @@ def print_tables(runs: list[Run], sweeps: list[Sweep], backends: list[str]) -> d
             outside = (f"{100 * (1 - (t['train_s'] + t.get('eval_s', 0.0)) / capacity):.0f}%"
                        if "train_s" in t else "n/a")
             a["outside_train_eval"] = (1 - (t["train_s"] + t.get("eval_s", 0.0)) / capacity) if "train_s" in t else None
+            critical = fmt(None if a["outside_critical"] is None else 100 * a["outside_critical"], ".0f")
             print(f"{a['sweep']:<11}{SYSTEM_LABELS[a['system']]:<19}{a['backend']:<9}{a['workers'] or '-':>8}"
-                  f"{cells}{outside:>20}")
+                  f"{cells}{outside:>20}{critical + '%':>18}")
 
     by_key = {(a["system"], a["backend"], a["sweep"]): a for a in aggs}
     summary = []
