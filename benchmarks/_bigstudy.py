@@ -42,7 +42,7 @@ def scratch_database(base_url: str, prefix: str) -> Iterator[str]:
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
-    from fusetune.server.db import get_engine, get_optuna_storage, upgrade
+    from fusetune.server.db import get_engine, get_optuna_storage, get_read_engine, upgrade
 
     name = f"{prefix}_{uuid.uuid4().hex[:8]}"
     admin = create_engine(base_url, isolation_level="AUTOCOMMIT")
@@ -55,6 +55,7 @@ def scratch_database(base_url: str, prefix: str) -> Iterator[str]:
         yield url
     finally:
         get_engine(url).dispose()
+        get_read_engine(url).dispose()
         get_optuna_storage.cache_clear()
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

@@ -17,7 +17,7 @@ from fusetune.server.api import health_router, router, tenants_router
 from fusetune.server.api.http import install as install_http
 from fusetune.server.coordinator import Coordinator
 from fusetune.server.dashboard import mount_dashboard
-from fusetune.server.db import get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.db import get_optuna_storage, get_read_sessionmaker, get_sessionmaker, upgrade
 from fusetune.server.leader import Leadership
 from fusetune.server.settings import Settings, get_settings
 from fusetune.workers.pool import WorkerPool
@@ -77,6 +77,7 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
     )
     app.state.settings = settings
     app.state.sessions = get_sessionmaker(settings.database_url)
+    app.state.read_sessions = get_read_sessionmaker(settings.database_url)
     app.include_router(router)
     app.include_router(tenants_router)
     app.include_router(health_router)

@@ -154,7 +154,9 @@ def _optuna_rows(session: Session, ids: Sequence[int]) -> Any:
     rows of (kind, Optuna trial id, objective/step/param id, param or attr name, value, its
     stored type, JSON)."""
     postgres = session.get_bind().dialect.name == "postgresql"
-    return session.execute(_optuna_rows_statement(postgres), {"ids": list(ids)})
+    # all(): the driver's fetchall builds the rows at once; iterating fetched them one by one
+    # (a poll of 16 live trials is ~350 rows, which cost a millisecond that way).
+    return session.execute(_optuna_rows_statement(postgres), {"ids": list(ids)}).all()
 
 
 @lru_cache(maxsize=2)

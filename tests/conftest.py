@@ -100,11 +100,12 @@ def _postgres_database() -> Iterator[str]:
     try:
         yield make_url(base).set(database=name).render_as_string(hide_password=False)
     finally:
-        from fusetune.server.db import get_engine, get_optuna_storage
+        from fusetune.server.db import get_engine, get_optuna_storage, get_read_engine
 
         url = make_url(base).set(database=name).render_as_string(hide_password=False)
-        if get_engine.cache_info().currsize:
-            get_engine(url).dispose()
+        for engine in (get_engine, get_read_engine):
+            if engine.cache_info().currsize:
+                engine(url).dispose()
         get_optuna_storage.cache_clear()
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

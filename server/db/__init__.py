@@ -1,6 +1,6 @@
 """fusetune's tables and the means to reach them."""
 
-from .engine import engine_kwargs, get_engine, get_optuna_storage, get_sessionmaker, upgrade
+from .engine import engine_kwargs, get_engine, get_optuna_storage, get_read_engine, get_read_sessionmaker, get_sessionmaker, upgrade
 from . import bulk, revisions  # noqa: F401  (register their hooks: rows held back to commit, trials' revisions)
 from .models import (
     Array,
@@ -36,6 +36,8 @@ __all__ = [
     "engine_kwargs",
     "get_engine",
     "get_optuna_storage",
+    "get_read_engine",
+    "get_read_sessionmaker",
     "get_sessionmaker",
     "upgrade",
     "utcnow",

@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
 from fusetune.server import events
-from fusetune.server.db import Array, ArrayMember, ArrayState, Event, Study, Trial, TrialState, get_engine, get_optuna_storage, get_sessionmaker
+from fusetune.server.db import Array, ArrayMember, ArrayState, Event, Study, Trial, TrialState, get_engine, get_optuna_storage, get_read_engine, get_sessionmaker
 from tests.conftest import POSTGRES_ENV
 from tests.server.conftest import LiveApi, live_api
 from tests.sse import events_of, parse
@@ -129,17 +129,19 @@ def test_405_allows_every_method_of_the_path(api: httpx.Client) -> None:
 @contextmanager
 def unreachable(url: str) -> Iterator[None]:
     """Make the database refuse new connections (and drop the app's), then restore it."""
-    engine = get_engine(url)
-    if engine.dialect.name == "sqlite":
+    engines = (get_engine(url), get_read_engine(url))  # the writes' and the reads'
+    if engines[0].dialect.name == "sqlite":
         folder = Path(make_url(url).database).parent
         moved = folder.with_name(folder.name + "-gone")
-        engine.dispose()
+        for engine in engines:
+            engine.dispose()
         os.rename(folder, moved)
         try:
             yield
         finally:
             os.rename(moved, folder)
-            engine.dispose()
+            for engine in engines:
+                engine.dispose()
         return
     name = make_url(url).database
     admin = sa.create_engine(os.environ[POSTGRES_ENV], isolation_level="AUTOCOMMIT")
@@ -152,7 +154,8 @@ def unreachable(url: str) -> Iterator[None]:
         with admin.connect() as conn:
             conn.execute(sa.text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true'))
         admin.dispose()
-        engine.dispose()
+        for engine in engines:
+            engine.dispose()
 
 
 def test_healthz_and_the_api_answer_503_while_the_database_is_unreachable(live: LiveApi, api: httpx.Client) -> None:
