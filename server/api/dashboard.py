@@ -7,11 +7,11 @@ from fastapi import APIRouter, Depends, Query
 from sqlalchemy.orm import Session
 
 from fusetune.server import cluster, importance
-from fusetune.server.api.deps import authenticate, get_session, get_url
+from fusetune.server.api.deps import SessionRoute, authenticate, get_session, get_url
 from fusetune.server.api.errors import StudyId
 from fusetune.server.auth import Principal
 
-router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route_class=SessionRoute)
 
 
 @router.get("/studies/{study_id}/importances", response_model=importance.ImportancesOut, tags=["studies"])

@@ -119,7 +119,7 @@ def _responses_of(route: APIRoute, methods: set[str]) -> dict[int | str, Any]:
     if methods & _WRITES:
         out.update(TOO_LARGE)
         out.update(NOT_JSON)
-    if "get_session" in deps:
+    if deps & {"get_session", "authenticate"}:  # both read the database
         out.update(UNAVAILABLE)
     return out
 

@@ -14,11 +14,11 @@ from sqlalchemy.orm import Session
 from sse_starlette import EventSourceResponse
 
 from fusetune.server import events, service
-from fusetune.server.api.deps import authenticate, get_session
+from fusetune.server.api.deps import SessionRoute, authenticate, get_session
 from fusetune.server.api.errors import MAX_EVENT_ID, StudyId
 from fusetune.server.auth import Principal
 
-router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route_class=SessionRoute)
 
 _STREAM = {
     200: {

@@ -17,7 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from fusetune.server import service
-from fusetune.server.api.deps import authenticate, get_app_settings, get_session, get_url
+from fusetune.server.api.deps import SessionRoute, authenticate, get_app_settings, get_session, get_url
 from fusetune.server.api.errors import CONFLICT, MAX_ID, UNAVAILABLE, StudyId, TrialId
 from fusetune.server.auth import Principal
 from fusetune.server.schemas import (
@@ -37,8 +37,8 @@ from fusetune.server.db import ArrayState, StudyState, TrialState
 from fusetune.server.pagination import LINK_HEADER, PageParams, json_page, page_params, paged
 from fusetune.server.reads import ID_SORTS, TRIAL_SORTS
 
-router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
-health_router = APIRouter()
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route_class=SessionRoute)
+health_router = APIRouter(route_class=SessionRoute)
 
 
 @router.post("/studies", status_code=status.HTTP_201_CREATED, response_model=StudyOut, tags=["studies"], responses=CONFLICT)

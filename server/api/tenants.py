@@ -10,13 +10,13 @@ from fastapi import APIRouter, Depends, Path, Request, Response, status
 from sqlalchemy.orm import Session
 
 from fusetune.server import tenants
-from fusetune.server.api.deps import authenticate, get_session, require_admin
+from fusetune.server.api.deps import SessionRoute, authenticate, get_session, require_admin
 from fusetune.server.api.errors import CONFLICT, TokenId
 from fusetune.server.auth import Principal
 from fusetune.server.pagination import LINK_HEADER, PageParams, page_params, paged
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreate, TokenCreated, TokenOut
 
-router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route_class=SessionRoute)
 
 TenantName = Path(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # as TenantCreate.name
 

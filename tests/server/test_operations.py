@@ -171,6 +171,29 @@ def test_healthz_and_the_api_answer_503_while_the_database_is_unreachable(live: 
     assert api.get("/api/v1/studies").status_code == 200
 
 
+def test_more_concurrent_reads_than_pooled_connections_all_answer(live: LiveApi, api: httpx.Client) -> None:
+    """Ten times the requests the connection pool has connections for, all at once, each with a
+    token to look up: every one answers 200. (When the token lookup and the route shared a
+    session, a request held its connection between their two threads, and the threadpool could
+    fill with requests waiting for connections that only requests waiting for a thread held:
+    the pool's 30 s timeout then answered 503.)"""
+    import asyncio
+
+    pooled = get_read_engine(live.database_url).pool
+    n = 10 * (pooled.size() + pooled._max_overflow)  # type: ignore[attr-defined]
+    token = api.headers["Authorization"]
+
+    async def everyone() -> list[int]:
+        async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": token}, timeout=120,
+                                     limits=httpx.Limits(max_connections=n)) as client:
+            answers = await asyncio.gather(*(client.get("/api/v1/studies") for _ in range(n)))
+        return [a.status_code if a.status_code == 200 else (a.status_code, a.text[:300]) for a in answers]
+
+    assert api.get("/api/v1/studies").status_code == 200  # the engine and its pool exist
+    codes = asyncio.run(everyone())
+    assert codes == [200] * n, [c for c in codes if c != 200][:3]
+
+
 def _scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     response = client.get("/metrics")
     assert response.status_code == 200, response.text
