@@ -22,7 +22,7 @@ running array each. It starts the real server (uvicorn, two worker processes, th
    the loop writes what came together in one transaction; also shown, one array at a time
    (one transaction per array-epoch: a single worker). Metric points (one member's value at
    one epoch) per second.
-4. ``concurrent``: ``--pollers`` HTTP pollers (httpx async, in a process of their own) each
+4. ``concurrent``: ``--pollers`` HTTP pollers (aiohttp, in a process of their own) each
    following one live study with ``updated_since`` every ``--poll-interval`` s, while
    ``--reporters`` threads each send an array-epoch of ``--array-size`` members every
    ``--report-interval`` s to one coordinator thread (the scheduling loop's one writer, which
@@ -148,29 +148,37 @@ class Recorder:
 
 # -- the pollers' process ------------------------------------------------------------------------
 async def _pollers(url: str, token: str, studies: list[int], n: int, interval: float, duration: float) -> dict[str, Any]:
-    import httpx
+    # aiohttp, not httpx: the pollers share the server's two cores, and httpx's pure-Python
+    # HTTP/1.1 cost ~6 ms of CPU a poll here (60% of a core at 100 polls/s), taken from the
+    # server it measures; aiohttp parses in C.
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     latencies: list[float] = []
     errors: list[str] = []
     pollers: list[dict[str, Any]] = []  # each: its study, its view of the trials, its revision
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, limits=limits, timeout=30) as http:
+    connector = aiohttp.TCPConnector(limit=n, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(
+        base_url=url, headers={"Authorization": f"Bearer {token}"}, connector=connector, timeout=timeout
+    ) as http:
 
         async def poll(study: int, since: int, view: dict[int, dict[str, Any]], timed: bool) -> int:
             next_url: str | None = f"/api/v1/studies/{study}/trials"
             params: dict[str, Any] | None = {"updated_since": since, "limit": 1000}
             while next_url is not None:
                 started = time.perf_counter()
-                response = await http.get(next_url, params=params)
-                if timed:
-                    latencies.append(time.perf_counter() - started)
-                if response.status_code != 200:
-                    errors.append(f"{response.status_code}: {response.text[:100]}")
-                    return since
-                for row in response.json():
+                async with http.get(next_url, params=params) as response:
+                    body = await response.read()
+                    if timed:
+                        latencies.append(time.perf_counter() - started)
+                    if response.status != 200:
+                        errors.append(f"{response.status}: {body[:100]!r}")
+                        return since
+                    link = response.links.get("next")
+                for row in json.loads(body):
                     view[row["id"]] = row
                     since = max(since, row["revision"])
-                next_url, params = response.links.get("next", {}).get("url"), None
+                next_url, params = (str(link["url"]) if link else None), None
             return since
 
         async def one(i: int) -> None:
@@ -427,6 +435,14 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ensure_aiohttp() -> None:
+    """The pollers are aiohttp clients, from the ``bench`` extra."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise SystemExit("benchmarks/api.py's pollers need aiohttp: pip install -c constraints.txt -e '.[bench]'") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -452,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", help=argparse.SUPPRESS)
     parser.add_argument("--studies", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    ensure_aiohttp()
     if args.pollers_child:
         studies = [int(s) for s in args.studies.split(",")]
         out = asyncio.run(_pollers(args.url, args.token, studies, args.pollers, args.poll_interval, args.duration))
