@@ -25,6 +25,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from fusetune.server.auth import Principal, principal_for
+from fusetune.server.db import retry_disconnected
 from fusetune.server.settings import Settings
 
 # Dependencies that do no I/O are coroutines: FastAPI runs a plain function in its threadpool,
@@ -38,6 +39,7 @@ bearer = HTTPBearer(
 
 #: Methods whose routes only read: their sessions autocommit (``get_read_sessionmaker``).
 READ_METHODS = frozenset({"GET", "HEAD"})
+_READS = "fusetune.reads"  # a session's info key: it is a read route's (it may run again)
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
@@ -51,6 +53,7 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
     """
     reads = request.method in READ_METHODS
     session = (request.app.state.read_sessions if reads else request.app.state.sessions)()
+    session.info[_READS] = reads
     try:
         yield session
     finally:
@@ -71,12 +74,19 @@ def _closing_sessions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(endpoint)  # FastAPI reads the parameters of the wrapped function
     def run(*args: Any, **kwargs: Any) -> Any:
+        sessions = [value for value in kwargs.values() if isinstance(value, Session)]
+
+        def close() -> None:
+            for session in sessions:
+                session.close()
+
         try:
+            if sessions and all(s.info.get(_READS) for s in sessions):
+                # A read route runs again on a new connection when its own had died.
+                return retry_disconnected(lambda: endpoint(*args, **kwargs), close)
             return endpoint(*args, **kwargs)
         finally:
-            for value in kwargs.values():
-                if isinstance(value, Session):
-                    value.close()
+            close()
 
     return run
 
@@ -119,7 +129,9 @@ def authenticate(
         )
     admin = request.app.state.settings.admin_token
     with request.app.state.read_sessions() as session:
-        principal = principal_for(session, credentials.credentials, admin.get_secret_value() if admin else None)
+        principal = retry_disconnected(
+            lambda: principal_for(session, credentials.credentials, admin.get_secret_value() if admin else None), session.close
+        )
     if principal is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,

@@ -1,6 +1,8 @@
 """fusetune's tables and the means to reach them."""
 
-from .engine import engine_kwargs, get_engine, get_optuna_storage, get_read_engine, get_read_sessionmaker, get_sessionmaker, upgrade
+from .engine import (
+    engine_kwargs, get_engine, get_optuna_storage, get_read_engine, get_read_sessionmaker, get_sessionmaker, retry_disconnected, upgrade,
+)
 from . import bulk, revisions  # noqa: F401  (register their hooks: rows held back to commit, trials' revisions)
 from .models import (
     Array,
@@ -39,6 +41,7 @@ __all__ = [
     "get_read_engine",
     "get_read_sessionmaker",
     "get_sessionmaker",
+    "retry_disconnected",
     "upgrade",
     "utcnow",
 ]

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 import fusetune.migrations as migrations
 
 if TYPE_CHECKING:
     import optuna
+
+T = TypeVar("T")
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 #: Optuna keeps its own Alembic history in ``alembic_version``; ours must not share it.
@@ -62,7 +66,10 @@ def get_read_engine(url: str) -> Engine:
     A read then sends no BEGIN and no closing ROLLBACK (two of a poll's round trips), and
     closing its session does no I/O, so the event loop can close it instead of a thread. On
     PostgreSQL each statement reads a snapshot of its own either way (READ COMMITTED)."""
-    engine = create_engine(url, isolation_level="AUTOCOMMIT", **engine_kwargs(url))
+    # No pre-ping: it is a round trip per checkout (two per poll, a token's and a route's
+    # session), and a read can simply run again: a connection found dead invalidates the
+    # pool's older ones, and the request's reads are retried once (``retry_disconnected``).
+    engine = create_engine(url, isolation_level="AUTOCOMMIT", **{**engine_kwargs(url), "pool_pre_ping": False})
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine
@@ -71,6 +78,28 @@ def get_read_engine(url: str) -> Engine:
 @lru_cache(maxsize=8)
 def get_read_sessionmaker(url: str) -> sessionmaker[Session]:
     return sessionmaker(get_read_engine(url), expire_on_commit=False)
+
+
+def disconnected(exc: BaseException) -> bool:
+    """Whether ``exc`` says the connection a statement ran on had died (the database
+    restarted, or closed it): a read may run again on a new one."""
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+def retry_disconnected(read: Callable[[], T], reset: Callable[[], None]) -> T:
+    """``read()``, and once more after ``reset()`` (closing its sessions) when the
+    connection it read on had died. Only for reads, which a second run cannot double.
+
+    The read engine does not ping a connection before each use (``get_read_engine``); this
+    is the recovery that pinging bought. A second failure (the database is down) propagates.
+    """
+    try:
+        return read()
+    except DBAPIError as exc:
+        if not disconnected(exc):
+            raise
+    reset()
+    return read()
 
 
 def alembic_config(url: str) -> Config:
