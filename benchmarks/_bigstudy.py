@@ -206,10 +206,12 @@ def seed_trials(conn: Any, study: tuple[int, int], n: int, steps: int, waiting: 
             "FROM trials t CROSS JOIN generate_series(0, :steps - 1) s WHERE t.study_id = :sid AND t.number < :w"), p)
     conn.execute(text(
         "INSERT INTO ft_trials (study_id, optuna_trial_id, number, params, signature, state, value, created_at, "
-        "started_at, completed_at, revision) "
+        "started_at, completed_at) "
         "SELECT :ft, t.trial_id, t.number, json_build_object('lr', lr.param_value, 'hidden', CASE WHEN h.param_value = 0 THEN 16 ELSE 32 END), "
         "'sig-' || (h.param_value::int)::text, CASE WHEN t.number >= :w THEN 'WAITING' ELSE :rest END, v.value, now(), "
-        "CASE WHEN t.number >= :w THEN NULL ELSE now() END, t.datetime_complete, 1 "
+        "CASE WHEN t.number >= :w THEN NULL ELSE now() END, t.datetime_complete "
         "FROM trials t JOIN trial_params lr ON lr.trial_id = t.trial_id AND lr.param_name = 'lr' "
         "JOIN trial_params h ON h.trial_id = t.trial_id AND h.param_name = 'hidden' "
         "LEFT JOIN trial_values v ON v.trial_id = t.trial_id AND v.objective = 0 WHERE t.study_id = :sid"), p)
+    conn.execute(text(
+        "INSERT INTO ft_trial_revisions (trial_id, study_id, revision) SELECT id, study_id, 1 FROM ft_trials WHERE study_id = :ft"), p)

@@ -56,6 +56,7 @@ from fusetune.server.db import (
 )
 from fusetune.server import events
 from fusetune.server.lifecycle import STOPPING, StudyLifecycle
+from fusetune.server.db.bulk import add_updates
 from fusetune.server.db.revisions import next_revision, touch_trials
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
@@ -1072,12 +1073,10 @@ class Coordinator(StudyLifecycle):
         self._observe(worker.spec.signature, worker.device_type, report, warm=live.epochs_done > 0)
         live.epochs_done += 1
         live.timings = _add_timings(live.timings, report.timings)
-        # Core statements for the rows no ORM hook watches (server/db/revisions.py stamps
-        # trials): a fraction of the ORM update's cost, paid on every array-epoch.
-        arrays = Array.__table__
-        session.connection().execute(
-            update(arrays).where(arrays.c.id == report.array_id).values(epochs_done=live.epochs_done, timings=live.timings)
-        )
+        # Held back to the commit (bulk.add_updates): the transaction's array-epochs update
+        # their arrays in one executemany, compiled once (a statement each, with the timings
+        # inlined, cost a millisecond apiece in compiling alone).
+        add_updates(session, Array.__table__, "id", [{"id": report.array_id, "epochs_done": live.epochs_done, "timings": live.timings}])
         if report.joined or report.released or ended:
             events.record(
                 session, "array.changed", **where, offered=[], joined=[j.trial_id for j in report.joined],

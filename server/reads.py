@@ -26,7 +26,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
 from fusetune.server.curves import downsample
-from fusetune.server.db import Array, Study, Trial, TrialState
+from fusetune.server.db import Array, Study, Trial, TrialRevision, TrialState
 from fusetune.server.pagination import Page, PageParams, decode_cursor, encode_cursor, invalid_cursor
 from fusetune.server.schemas import ArrayOut, BestTrial, StudyOut, TrialOut
 
@@ -99,15 +99,19 @@ def trials_page(
     query = select(Trial).where(Trial.study_id == study.id)
     if states:
         query = query.where(Trial.state.in_(list(states)))
+    if updated_since is not None or sort == "revision":
+        # The study's changes are one range of ft_trial_revisions' index (revision order).
+        query = query.join(TrialRevision, TrialRevision.trial_id == Trial.id).where(TrialRevision.study_id == study.id)
     if updated_since is not None:
-        query = query.where(Trial.revision > updated_since)
+        query = query.where(TrialRevision.revision > updated_since)
     if sort in ("value", "-value"):
         rows, next_cursor = _value_page(session, query, sort, page)
     else:
-        columns = (Trial.revision, Trial.id) if sort == "revision" else (Trial.number, Trial.id)
+        columns = (TrialRevision.revision, TrialRevision.trial_id) if sort == "revision" else (Trial.number, Trial.id)
         after = decode_cursor(page.after, sort, (int, int)) if page.after else None
         rows, more = keyset_page(session, query, columns, sort.startswith("-"), after, page.limit)
-        next_cursor = encode_cursor(sort, [_attr(rows[-1], c) for c in columns]) if more else None
+        keys = ("revision", "id") if sort == "revision" else ("number", "id")  # the trial's, as the columns hold them
+        next_cursor = encode_cursor(sort, [getattr(rows[-1], k) for k in keys]) if more else None
     return Page(trial_outs(session, rows, max_points=max_points), next_cursor)
 
 
@@ -345,7 +349,9 @@ def _pareto_fronts(
         return {}
     newest = dict(
         session.execute(
-            select(Trial.study_id, func.max(Trial.revision)).where(Trial.study_id.in_([s.id for s in studies])).group_by(Trial.study_id)
+            select(TrialRevision.study_id, func.max(TrialRevision.revision))
+            .where(TrialRevision.study_id.in_([s.id for s in studies]))
+            .group_by(TrialRevision.study_id)
         ).all()
     )
     out: dict[int, list[BestTrial]] = {}

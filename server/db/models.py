@@ -11,8 +11,8 @@ import enum
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy import JSON, BigInteger, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, func, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 
@@ -168,10 +168,9 @@ class Trial(Base):
 
     __tablename__ = "ft_trials"
     __table_args__ = (
-        # A study's trials in pages (server/service.py list_trials): by number, by revision
-        # (the updated_since polls), and per state by value (best trials, counts per state).
+        # A study's trials in pages (server/service.py list_trials): by number, and per state
+        # by value (best trials, counts per state). By revision: ft_trial_revisions.
         Index("ix_ft_trials_study_number", "study_id", "number", "id"),
-        Index("ix_ft_trials_study_revision", "study_id", "revision", "id"),
         Index("ix_ft_trials_study_state_value", "study_id", "state", "value"),
     )
 
@@ -194,10 +193,6 @@ class Trial(Base):
     #: reported it (None: none). A trial whose array died, or whose service restarted,
     #: resumes from it; the control plane never looks into the store itself.
     checkpoint_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
-
-    #: The trial's last change, in the order changes were committed (server/db/revisions.py):
-    #: every change to the row or to its Optuna trial (a reported value, attrs) stamps it.
-    revision: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     study: Mapped[Study] = relationship(back_populates="trials")
     array: Mapped[Array | None] = relationship(back_populates="trials", foreign_keys=[array_id])
@@ -316,6 +311,35 @@ class Event(Base):
     array_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class TrialRevision(Base):
+    """A trial's last change, in the order changes were committed (server/db/revisions.py):
+    every change to the trial's row or to its Optuna trial (a reported value, attrs) stamps it.
+    Read as ``Trial.revision``; the ``updated_since`` polls page this table's index.
+
+    A table of its own, not a column of ``ft_trials``: the scheduling loop stamps every member
+    of every array at every epoch, and PostgreSQL writes an updated row anew with an entry in
+    each of its indexes. Restamping 1,024 trials costs about 7 ms here, 18 to 55 ms as a
+    column of the wide, seven-index trial row (measured on the 2-core box).
+    """
+
+    __tablename__ = "ft_trial_revisions"
+    __table_args__ = (Index("ix_ft_trial_revisions_study_revision", "study_id", "revision", "trial_id"),)
+
+    trial_id: Mapped[int] = mapped_column(ForeignKey("ft_trials.id", ondelete="CASCADE"), primary_key=True)
+    #: The trial's study (a trial never moves): a study's changes are one index range.
+    study_id: Mapped[int] = mapped_column(Integer)
+    revision: Mapped[int] = mapped_column(BigInteger)
+
+
+#: 0 until the trial's first commit writes its row.
+Trial.revision = column_property(  # type: ignore[attr-defined]
+    func.coalesce(
+        select(TrialRevision.revision).where(TrialRevision.trial_id == Trial.id).correlate_except(TrialRevision).scalar_subquery(),
+        0,
+    )
+)
 
 
 class Revision(Base):

@@ -11,18 +11,25 @@ revision it has read misses no change and reads each one once. A timestamp would
 two transactions can commit in the other order than they read the clock, and a cursor such
 as "from the oldest unfinished trial on" makes one slow early trial re-read every later one.
 
-What stamps, without the writer having to remember it (the hooks below, on every Session):
+The stamps live in ``ft_trial_revisions`` (:class:`~.models.TrialRevision`, read as
+``Trial.revision``), one narrow row per trial: restamping a trial rewrites that row only,
+never the wide trial row and its indexes. What stamps, without the writer having to remember
+it (the hooks below, on every Session):
 
 * a flush of ``Trial`` objects that are new or have changed columns;
-* ``session.execute(update(Trial) ...)`` and ``insert(Trial)`` statements (the revision is
-  added to the statement's values);
+* ``session.execute(update(Trial) ...)`` statements (the trials they will change are read
+  first, with the statement's own condition: under the counter's lock nothing else changes
+  them in between) and ``insert(Trial)`` statements (every trial whose id is above the
+  highest before the first insert of the transaction: no other transaction inserts trials
+  while this one holds the counter);
 * :func:`touch_trials`, for changes that live in Optuna's tables only: the control plane's
   ``_record_epoch`` touches every member it records an intermediate value for.
 
 One transaction takes one revision however many trials it changes (the coordinator's
 array-epoch transaction stamps all its members with one number), and takes the counter's
 lock before the first trial row it writes, so trial writers queue on the counter rather
-than deadlock on each other's rows.
+than deadlock on each other's rows. The stamps are written as the transaction commits, in
+one statement.
 """
 
 from __future__ import annotations
@@ -30,21 +37,38 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import BigInteger, any_, event, func, insert, literal, select, update
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import event, func, insert, select, text, update
 from sqlalchemy.orm import ORMExecuteState, Session, UOWTransaction
 
-from .models import Revision, Trial
+from .models import Revision, Trial, TrialRevision
 
 __all__ = ["current_revision", "next_revision", "touch_trials"]
 
 #: Key of the transaction's revision in ``Session.info`` (cleared when the transaction ends).
 _INFO_KEY = "fusetune.revision"
-#: Key of the trials :func:`touch_trials` will stamp at commit, in ``Session.info``.
+#: Key of the trials the transaction changed, in ``Session.info`` (stamped as it commits):
+#: those with a stamp row already (a set of ids), and those it created (trial id -> study id).
 _TOUCHED_KEY = "fusetune.touched"
+_CREATED_KEY = "fusetune.created"
+#: Key of the highest trial id before the transaction's first ``insert(Trial)``, in ``Session.info``.
+_INSERTED_AFTER_KEY = "fusetune.inserted_after"
+#: Key of the ``Trial`` objects a flush is writing, from before to after it, in ``Session.info``.
+_FLUSHING_KEY = "fusetune.flushing"
 _COUNTER_ID = 1
 _trials = Trial.__table__
+_stamps = TrialRevision.__table__
 _counter = Revision.__table__
+
+# A new trial's stamp row, in both dialects (an upsert: a trial created and changed again
+# within one transaction is stamped once), and every other change: an UPDATE, with all
+# the trials as one array parameter on PostgreSQL (one statement, however many).
+_UPSERT = " ON CONFLICT (trial_id) DO UPDATE SET revision = excluded.revision"
+_STAMP_CREATED = text("INSERT INTO ft_trial_revisions (trial_id, study_id, revision) VALUES (:id, :study, :revision)" + _UPSERT)
+_STAMP_INSERTED = text(
+    "INSERT INTO ft_trial_revisions (trial_id, study_id, revision) "
+    "SELECT id, study_id, :revision FROM ft_trials WHERE id > :after" + _UPSERT
+)
+_STAMP_ARRAY = text("UPDATE ft_trial_revisions SET revision = :revision WHERE trial_id = ANY(CAST(:ids AS INTEGER[]))")
 
 
 def next_revision(session: Session) -> int:
@@ -59,7 +83,7 @@ def next_revision(session: Session) -> int:
             update(_counter).where(_counter.c.id == _COUNTER_ID).values(value=_counter.c.value + 1).returning(_counter.c.value)
         ).scalar()
         if revision is None:  # a database made without the migration that adds the row
-            start = connection.execute(select(func.coalesce(func.max(_trials.c.revision), 0))).scalar_one() + 1
+            start = connection.execute(select(func.coalesce(func.max(_stamps.c.revision), 0))).scalar_one() + 1
             connection.execute(insert(_counter).values(id=_COUNTER_ID, value=start))
             revision = start
         session.info[_INFO_KEY] = revision
@@ -72,10 +96,10 @@ def current_revision(session: Session) -> int:
 
 
 def touch_trials(session: Session, trial_ids: Iterable[int]) -> None:
-    """Stamp these trials (fusetune ids) as changed in this transaction, e.g. because
-    their Optuna trials got intermediate values or attrs.
+    """Stamp these trials (fusetune ids) as changed in this transaction, e.g. because their
+    Optuna trials got intermediate values or attrs.
 
-    The stamp is written as the transaction commits, with one statement for every trial
+    The stamps are written as the transaction commits, with one statement for every trial
     touched in it (the loop records several array-epochs in one transaction).
     """
     ids = set(trial_ids)
@@ -85,53 +109,84 @@ def touch_trials(session: Session, trial_ids: Iterable[int]) -> None:
         session.info.setdefault(_TOUCHED_KEY, set()).update(ids)
 
 
-def _stamp(session: Session, trial_ids: Iterable[int]) -> None:
-    ids = sorted(set(trial_ids))
-    if not ids:
+def _stamp(session: Session, touched: set[int], created: dict[int, int], inserted_after: int | None) -> None:
+    if not touched and not created and inserted_after is None:
         return
     revision = next_revision(session)
     connection = session.connection()  # Core: no ORM bookkeeping, the loop's hot path
-    if connection.dialect.name == "postgresql":  # one array parameter, not one per id
-        which = _trials.c.id == any_(literal(ids, ARRAY(BigInteger)))
+    if inserted_after is not None:
+        connection.execute(_STAMP_INSERTED, {"revision": revision, "after": inserted_after})
+    if created:
+        connection.execute(_STAMP_CREATED, [{"id": t, "study": s, "revision": revision} for t, s in created.items()])
+    touched -= created.keys()
+    if not touched:
+        return
+    if connection.dialect.name == "postgresql":
+        connection.execute(_STAMP_ARRAY, {"ids": sorted(touched), "revision": revision})
     else:
-        which = _trials.c.id.in_(ids)
-    connection.execute(update(_trials).where(which).values(revision=revision))
+        stamps = TrialRevision.__table__
+        connection.execute(update(stamps).where(stamps.c.trial_id.in_(sorted(touched))).values(revision=revision))
 
 
 @event.listens_for(Session, "before_flush")
-def _stamp_flushed_trials(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
-    changed = [obj for obj in session.new if isinstance(obj, Trial)]
+def _take_revision_for_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
+    changed = [(obj, True) for obj in session.new if isinstance(obj, Trial)]
     changed += [
-        obj for obj in session.dirty if isinstance(obj, Trial) and session.is_modified(obj, include_collections=False)
+        (obj, False) for obj in session.dirty if isinstance(obj, Trial) and session.is_modified(obj, include_collections=False)
     ]
     if changed:
-        revision = next_revision(session)
-        for obj in changed:
-            obj.revision = revision
+        next_revision(session)  # the counter's lock before the flush writes trial rows
+        session.info.setdefault(_FLUSHING_KEY, []).extend(changed)
+
+
+@event.listens_for(Session, "after_flush")
+def _touch_flushed_trials(session: Session, flush_context: UOWTransaction) -> None:
+    flushed = session.info.pop(_FLUSHING_KEY, None)
+    if flushed:  # new trials have their ids now
+        created = session.info.setdefault(_CREATED_KEY, {})
+        touched = session.info.setdefault(_TOUCHED_KEY, set())
+        for obj, new in flushed:
+            if new:
+                created[obj.id] = obj.study_id
+            else:
+                touched.add(obj.id)
 
 
 @event.listens_for(Session, "do_orm_execute")
-def _stamp_statements(state: ORMExecuteState) -> Any:
+def _touch_statements(state: ORMExecuteState) -> None:
     if not (state.is_update or state.is_insert):
-        return None
+        return
     table = getattr(state.statement, "table", None)
     if getattr(table, "name", None) != _trials.name:
-        return None
-    revision = next_revision(state.session)
-    if state.is_insert and isinstance(state.parameters, list):  # executemany: one dict per row
-        return state.invoke_statement(params=[{**row, "revision": revision} for row in state.parameters])
-    state.statement = state.statement.values(revision=revision)
-    return None
+        return
+    session = state.session
+    next_revision(session)  # the counter's lock before the statement writes trial rows
+    connection = session.connection()
+    if state.is_insert:
+        if _INSERTED_AFTER_KEY not in session.info:
+            session.info[_INSERTED_AFTER_KEY] = connection.execute(select(func.coalesce(func.max(_trials.c.id), 0))).scalar_one()
+        return
+    where = state.statement.whereclause
+    if where is None and isinstance(state.parameters, list):  # an ORM bulk update by primary key
+        changing = [row["id"] for row in state.parameters]
+    else:
+        changing = list(connection.execute(select(_trials.c.id).where(True if where is None else where)).scalars())
+    session.info.setdefault(_TOUCHED_KEY, set()).update(changing)
 
 
 @event.listens_for(Session, "before_commit")
 def _stamp_touched(session: Session) -> None:
-    _stamp(session, session.info.pop(_TOUCHED_KEY, ()))
+    session.flush()  # its trials are touched after the flush: a flush at the commit comes after this hook
+    info = session.info
+    _stamp(session, info.pop(_TOUCHED_KEY, set()), info.pop(_CREATED_KEY, {}), info.pop(_INSERTED_AFTER_KEY, None))
 
 
 @event.listens_for(Session, "after_transaction_end")
 def _forget_revision(session: Session, transaction: Any) -> None:
     # Any end, savepoints too: a savepoint rolled back may have undone the counter's update.
     session.info.pop(_INFO_KEY, None)
-    if transaction.parent is None:
-        session.info.pop(_TOUCHED_KEY, None)  # ended without a commit
+    if transaction.parent is None:  # ended without a commit
+        session.info.pop(_TOUCHED_KEY, None)
+        session.info.pop(_CREATED_KEY, None)
+        session.info.pop(_INSERTED_AFTER_KEY, None)
+        session.info.pop(_FLUSHING_KEY, None)
