@@ -22,10 +22,11 @@ as if the ORM had written it. Columns a row leaves out take their server default
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Table, bindparam, event, insert, update
+from sqlalchemy import JSON, Table, bindparam, event, insert, update
 from sqlalchemy.orm import Session, SessionTransaction
 
 __all__ = ["add_rows", "add_updates", "insert_rows", "write_pending"]
@@ -96,6 +97,15 @@ def _drop_pending(session: Session, transaction: SessionTransaction) -> None:
         session.info.pop(_UPDATES, None)
 
 
+def _copy_processor(type_: Any, dialect: Any) -> Any:
+    """How ``COPY`` takes a column's values: its own bind processing, except that JSON goes as
+    the text the dialect's serialiser makes of it (what its processor stores, without the
+    driver's wrapper around each value: a fifth of the time of an event row)."""
+    if isinstance(type_, JSON):
+        return dialect._json_serializer or json.dumps
+    return type_._cached_bind_processor(dialect)
+
+
 def insert_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]]) -> None:
     """Insert ``rows`` (dicts with the same keys, column names) into ``table``."""
     if not rows:
@@ -106,7 +116,7 @@ def insert_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]
         connection.execute(insert(table), list(rows))
         return
     names = list(rows[0])
-    processors = [table.c[name].type._cached_bind_processor(dialect) for name in names]
+    processors = [_copy_processor(table.c[name].type, dialect) for name in names]
     quoted = ", ".join(dialect.identifier_preparer.quote(name) for name in names)
     target = dialect.identifier_preparer.format_table(table)
     cursor = connection.connection.driver_connection.cursor()
