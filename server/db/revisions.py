@@ -55,6 +55,7 @@ _INSERTED_AFTER_KEY = "fusetune.inserted_after"
 #: Key of the ``Trial`` objects a flush is writing, from before to after it, in ``Session.info``.
 _FLUSHING_KEY = "fusetune.flushing"
 _COUNTER_ID = 1
+_SQLITE_CHUNK = 10_000
 _trials = Trial.__table__
 _stamps = TrialRevision.__table__
 _counter = Revision.__table__
@@ -123,9 +124,11 @@ def _stamp(session: Session, touched: set[int], created: dict[int, int], inserte
         return
     if connection.dialect.name == "postgresql":
         connection.execute(_STAMP_ARRAY, {"ids": sorted(touched), "revision": revision})
-    else:
-        stamps = TrialRevision.__table__
-        connection.execute(update(stamps).where(stamps.c.trial_id.in_(sorted(touched))).values(revision=revision))
+    else:  # in chunks: SQLite caps a statement's parameters (250,000 in this build)
+        stamps, ids = TrialRevision.__table__, sorted(touched)
+        for start in range(0, len(ids), _SQLITE_CHUNK):
+            chunk = ids[start:start + _SQLITE_CHUNK]
+            connection.execute(update(stamps).where(stamps.c.trial_id.in_(chunk)).values(revision=revision))
 
 
 @event.listens_for(Session, "before_flush")
