@@ -529,10 +529,10 @@ class Coordinator(StudyLifecycle):
         """The study's optimizer, schedule, clipping, AMP and objectives, as its request set them.
 
         They are kept in the Optuna study's system attrs (``optuna.load_study`` shows them),
-        read once per process: they never change.
+        read once per process, from the study's mirror (which loaded them): they never change.
         """
         if study.id not in self._training:
-            stored = self.storage.get_study_system_attrs(study.optuna_study_id).get(TRAINING_ATTR)
+            stored = self._mirror(study).system_attrs.get(TRAINING_ATTR)
             self._training[study.id] = TrainingSpec.from_json(stored)
         return self._training[study.id]
 
