@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,13 +108,15 @@ def check_running_quota(session: Session, tenant: Tenant) -> None:
 
 def create_study(
     session: Session, url: str, request: StudyCreate, *, as_tenant: str | None = None,
-    allow_workload_imports: bool = False,
+    allow_workload_imports: bool = False, created: Callable[[], None] | None = None,
 ) -> StudyOut:
     """Create the Optuna study and fusetune's record of it, or neither.
 
     The study belongs to ``request.tenant``, else to ``as_tenant``, else to ``default``; the
     tenant must exist, and its quotas hold. A workload given as a module path is imported only
     with ``allow_workload_imports`` (the server's ``FUSETUNE_ALLOW_WORKLOAD_IMPORTS``).
+    ``created`` is called once the study is committed, before its answer is built (the
+    route wakes the scheduling loop with it: the asks start while the answer is read).
     """
     try:
         workload = get_workload(request.workload, allow_imports=allow_workload_imports)
@@ -166,6 +168,8 @@ def create_study(
         session.rollback()
         optuna.delete_study(study_name=name, storage=storage)
         raise Conflict("name", f"a study named {name!r} already exists") from exc
+    if created is not None:
+        created()
     return _study_out(session, url, study)
 
 

@@ -51,13 +51,11 @@ def create_study(
     url: str = Depends(get_url),
 ) -> StudyOut:
     """Start a tuning study; its trials are asked, fused into arrays and trained in the background."""
-    study = service.create_study(
-        session, url, body, as_tenant=principal.tenant, allow_workload_imports=settings.allow_workload_imports
-    )
     coordinator = getattr(request.app.state, "coordinator", None)
-    if coordinator is not None:
-        coordinator.wake()  # schedule it now, not at the next poll
-    return study
+    return service.create_study(
+        session, url, body, as_tenant=principal.tenant, allow_workload_imports=settings.allow_workload_imports,
+        created=coordinator.wake if coordinator is not None else None,  # schedule it now, not at the next poll
+    )
 
 
 #: How list routes answer: their rows, and the next page's Link header.
