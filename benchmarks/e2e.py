@@ -324,6 +324,10 @@ def run_study(server: FusetuneServer, sweep: Sweep, seed: int, label: str, args:
     only matters for other processes' events): polling ``GET /studies/{id}`` every 20 ms
     instead cost the server 20-40% of a core on 2 cores (authentication, the study's counts),
     and so did a stream polling the events table every 20 ms, taken from the workers being timed.
+    The stream is narrowed to ``study.completed`` and ``array.ended`` (``?kind=``), as a client
+    that waits for a study would: the rest of a sweep's ~1,400 events (every member's every
+    epoch) would be encoded by the server and parsed here, on the cores the workers train on.
+    ``array.ended`` keeps the stall timeout fed on long sweeps.
 
     Fails when the study is not COMPLETE after ``--sweep-timeout`` seconds, or when no event
     of it has come for ``--stall-timeout`` seconds (a server whose scheduling loop keeps
@@ -349,7 +353,9 @@ def run_study(server: FusetuneServer, sweep: Sweep, seed: int, label: str, args:
     deadline = time.monotonic() + args.sweep_timeout
     moved, after, completed = time.monotonic(), 0, False
     while not completed:  # a stream ends after the server's FUSETUNE_EVENTS_MAX_STREAM_S: read on after it
-        with server.client.stream("GET", f"/api/v1/studies/{study_id}/events", params={"after": after}) as events:
+        with server.client.stream(
+            "GET", f"/api/v1/studies/{study_id}/events", params={"after": after, "kind": ["study.completed", "array.ended"]}
+        ) as events:
             for line in events.iter_lines():
                 now = time.monotonic()
                 if line.startswith("id:"):

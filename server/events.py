@@ -23,7 +23,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Collection, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -53,7 +53,7 @@ _events = Event.__table__
 #: Most events one read of the table returns; a stream reads again at once when it was full.
 BATCH = 500
 
-#: ``Session.info`` key: the (tenant, study id) of the events the session's transaction recorded.
+#: ``Session.info`` key: the (tenant, study id, kind) of the events the session's transaction recorded.
 _RECORDED = "fusetune.events.recorded"
 
 
@@ -67,25 +67,30 @@ class _Doorbell:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: dict[asyncio.Event, tuple[asyncio.AbstractEventLoop, str | None, int | None]] = {}
+        self._waiting: dict[
+            asyncio.Event, tuple[asyncio.AbstractEventLoop, str | None, int | None, Collection[str] | None]
+        ] = {}
 
-    def subscribe(self, as_tenant: str | None, study_id: int | None) -> asyncio.Event:
-        """An event set whenever events of this scope (None: any tenant, any study) commit."""
+    def subscribe(self, as_tenant: str | None, study_id: int | None, kinds: Collection[str] | None = None) -> asyncio.Event:
+        """An event set whenever events of this scope (None: any tenant, any study, any kind) commit."""
         bell = asyncio.Event()
         with self._lock:
-            self._waiting[bell] = (asyncio.get_running_loop(), as_tenant, study_id)
+            self._waiting[bell] = (asyncio.get_running_loop(), as_tenant, study_id, kinds or None)
         return bell
 
     def unsubscribe(self, bell: asyncio.Event) -> None:
         with self._lock:
             self._waiting.pop(bell, None)
 
-    def ring(self, recorded: Iterable[tuple[str, int]]) -> None:
+    def ring(self, recorded: Iterable[tuple[str, int, str]]) -> None:
         scopes = set(recorded)
         with self._lock:
             waiting = list(self._waiting.items())
-        for bell, (loop, as_tenant, study_id) in waiting:
-            if any((as_tenant is None or as_tenant == t) and (study_id is None or study_id == s) for t, s in scopes):
+        for bell, (loop, as_tenant, study_id, kinds) in waiting:
+            if any(
+                (as_tenant is None or as_tenant == t) and (study_id is None or study_id == s) and (kinds is None or k in kinds)
+                for t, s, k in scopes
+            ):
                 with contextlib.suppress(RuntimeError):  # its loop has closed: the stream is gone
                     loop.call_soon_threadsafe(bell.set)
 
@@ -122,7 +127,7 @@ def record(
     member, and the loop records several array-epochs in one transaction).
     """
     assert kind in KINDS, kind
-    session.info.setdefault(_RECORDED, set()).add((tenant, study_id))
+    session.info.setdefault(_RECORDED, set()).add((tenant, study_id, kind))
     add_rows(session, _events, [
         {"tenant": tenant, "study_id": study_id, "kind": kind, "trial_id": trial_id, "array_id": array_id, "data": data,
          "created_at": utcnow()}
@@ -135,19 +140,23 @@ def prune(session: Session, retention_s: float) -> int:
     return session.execute(delete(Event).where(Event.created_at < cutoff)).rowcount or 0
 
 
-def _scope(query: Any, as_tenant: str | None, study_id: int | None) -> Any:
+def _scope(query: Any, as_tenant: str | None, study_id: int | None, kinds: Collection[str] | None = None) -> Any:
     if as_tenant is not None:
         query = query.where(Event.tenant == as_tenant)
     if study_id is not None:
         query = query.where(Event.study_id == study_id)
+    if kinds:
+        query = query.where(Event.kind.in_(sorted(kinds)))
     return query
 
 
 def read(
-    session: Session, after: int, *, as_tenant: str | None = None, study_id: int | None = None, limit: int = BATCH
+    session: Session, after: int, *, as_tenant: str | None = None, study_id: int | None = None,
+    kinds: Collection[str] | None = None, limit: int = BATCH,
 ) -> list[EventOut]:
-    """The events after id ``after``, oldest first: a tenant's own, or one study's."""
-    query = _scope(select(Event).where(Event.id > after), as_tenant, study_id).order_by(Event.id).limit(limit)
+    """The events after id ``after``, oldest first: a tenant's own, or one study's; only
+    those of ``kinds`` when given (None or empty: every kind)."""
+    query = _scope(select(Event).where(Event.id > after), as_tenant, study_id, kinds).order_by(Event.id).limit(limit)
     return [EventOut.model_validate(e) for e in session.scalars(query)]
 
 
@@ -165,9 +174,12 @@ async def stream(
     follow: bool,
     poll_interval_s: float,
     max_stream_s: float,
+    kinds: Collection[str] | None = None,
 ) -> AsyncIterator[bytes]:
     """Server-sent events after id ``after``, encoded: each chunk is the events of one read.
 
+    ``kinds``: only events of these kinds (a client waiting for ``study.completed`` is sent
+    nothing else; ids still resume exactly, the others are merely skipped).
     ``after`` None: only events that happen from now on. ``follow`` false: the stored
     events, then the stream ends; otherwise it waits for new ones (woken as this process
     commits them, and polling the table every ``poll_interval_s`` for other processes'),
@@ -180,10 +192,10 @@ async def stream(
         with sessions() as session:
             if after is None:
                 return last_id(session), []
-            return after, read(session, after, as_tenant=as_tenant, study_id=study_id)
+            return after, read(session, after, as_tenant=as_tenant, study_id=study_id, kinds=kinds)
 
     deadline = time.monotonic() + max_stream_s
-    bell = _doorbell.subscribe(as_tenant, study_id) if follow else None
+    bell = _doorbell.subscribe(as_tenant, study_id, kinds) if follow else None
     try:
         while True:
             if bell is not None:

@@ -330,6 +330,32 @@ def test_a_followed_stream_delivers_new_events_as_they_are_committed(live: LiveA
     assert {e["data"]["tenant"] for e in got} == {"acme"}
 
 
+def test_a_stream_of_some_kinds_sends_only_those_and_resumes_by_id(slow_polling: LiveApi) -> None:
+    """``?kind=`` narrows a stream: a client waiting for ``study.completed`` is sent nothing
+    else, and is woken when one commits (an hour between polls here); ids resume as ever."""
+    clients, studies = _two_tenants(slow_polling)
+    acme, url = clients["acme"], f"/api/v1/studies/{studies['acme']}/events"
+    _record(slow_polling.database_url, "acme", studies["acme"], ["trial.asked", "trial.started", "trial.reported", "trial.ended"])
+    every = events_of(acme.get(url, params={"follow": "false", "after": 0}).text)
+    some = {"follow": "false", "after": 0, "kind": ["trial.ended", "trial.started"]}
+    got = events_of(acme.get(url, params=some).text)
+    assert got == [every[1], every[3]]
+    assert events_of(acme.get(url, params=some, headers={"Last-Event-ID": got[0]["id"]}).text) == got[1:]
+    assert events_of(acme.get("/api/v1/events", params=some).text) == got
+
+    seen: list[dict] = []
+    with acme.stream("GET", url, params={"after": every[-1]["id"], "kind": "study.completed"}) as response:
+        _record(slow_polling.database_url, "acme", studies["acme"], ["trial.reported"])
+        _record(slow_polling.database_url, "acme", studies["acme"], ["trial.ended", "study.completed"])
+        for event in parse(response.iter_lines()):
+            seen.append(event)
+            break
+    assert [e["event"] for e in seen] == ["study.completed"]
+
+    response = acme.get(url, params={"follow": "false", "kind": "trial.finished"})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["query", "kind", 0]
+
+
 @pytest.fixture
 def slow_polling(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApi]:
     """The API with an hour between a stream's reads of the table."""
