@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import uuid
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
-from sqlalchemy import func, select
+from optuna.storages._rdb import models as rdb
+from optuna.study.study import _SYSTEM_ATTR_METRIC_NAMES
+from sqlalchemy import func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -126,25 +127,34 @@ def create_study(
     name = request.name or f"{request.workload}-{uuid.uuid4().hex[:8]}"
     if session.scalar(select(Study.id).where(Study.name == name)) is not None:
         raise Conflict("name", f"a study named {name!r} already exists")
-    storage = get_optuna_storage(url)
+    if session.scalar(select(rdb.StudyModel.study_id).where(rdb.StudyModel.study_name == name)) is not None:
+        raise Conflict("name", f"an Optuna study named {name!r} already exists")
     try:
         directions = request.objective_directions(workload)
     except KeyError as exc:  # a module-path workload: the schema could not check its metrics
         raise Invalid("metrics", str(exc.args[0])) from exc
+    make_sampler(request.sampler.name, request.sampler.kwargs)  # its kwargs are checked here (SpecError: a 422)
+    get_optuna_storage(url)  # Optuna's tables exist (its storage creates them once per process)
+    # The Optuna study's rows (name, directions, system attrs) go into this transaction with
+    # fusetune's, through Optuna's table models as the mirror writes trials: both or neither
+    # (optuna.create_study and its attrs were three transactions of their own before ours,
+    # and a study our commit refused had to be deleted again).
     try:
-        optuna_study = optuna.create_study(
-            study_name=name,
-            storage=storage,
-            directions=directions,
-            sampler=make_sampler(request.sampler.name, request.sampler.kwargs),
-        )
-    except optuna.exceptions.DuplicatedStudyError as exc:
+        optuna_study_id = session.execute(
+            insert(rdb.StudyModel.__table__).returning(rdb.StudyModel.__table__.c.study_id), {"study_name": name}
+        ).scalar_one()
+    except IntegrityError as exc:  # an Optuna study of this name committed since the check
+        session.rollback()
         raise Conflict("name", f"an Optuna study named {name!r} already exists") from exc
-    try:
-        _store_objectives_and_training(optuna_study, request)
-    except Exception:
-        optuna.delete_study(study_name=name, storage=storage)
-        raise
+    session.execute(insert(rdb.StudyDirectionModel.__table__), [
+        {"study_id": optuna_study_id, "objective": k, "direction": optuna.study.StudyDirection[d.upper()]}
+        for k, d in enumerate(directions)
+    ])
+    attrs = _optuna_system_attrs(request)
+    if attrs:
+        session.execute(insert(rdb.StudySystemAttributeModel.__table__), [
+            {"study_id": optuna_study_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items()
+        ])
     study = Study(
         name=name,
         tenant=tenant.name,
@@ -159,32 +169,32 @@ def create_study(
         max_array_size=request.max_array_size,
         max_concurrent_trials=request.max_concurrent_trials,
         driver=request.driver,
-        optuna_study_id=optuna_study._study_id,
+        optuna_study_id=optuna_study_id,
     )
     session.add(study)
     try:
         session.commit()
-    except IntegrityError as exc:
+    except IntegrityError as exc:  # a study of this name (fusetune's or Optuna's) committed meanwhile
         session.rollback()
-        optuna.delete_study(study_name=name, storage=storage)
         raise Conflict("name", f"a study named {name!r} already exists") from exc
     if created is not None:
         created()
     return _study_out(session, url, study)
 
 
-def _store_objectives_and_training(optuna_study: optuna.Study, request: StudyCreate) -> None:
-    """Name the objectives in Optuna and keep the study's training settings in its system attrs.
+def _optuna_system_attrs(request: StudyCreate) -> dict[str, Any]:
+    """The Optuna study's system attrs: its objectives' names (what ``Study.set_metric_names``
+    stores) and the study's training settings.
 
     Nothing is stored for a study that sets none of them, so such a study looks as before.
     """
+    attrs: dict[str, Any] = {}
     if request.metrics:
-        with warnings.catch_warnings():  # set_metric_names is "experimental" since Optuna 3.2
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna_study.set_metric_names(list(request.metrics))
+        attrs[_SYSTEM_ATTR_METRIC_NAMES] = list(request.metrics)  # where Study.metric_names reads them
     training = request.training_spec()
     if training != TrainingSpec():
-        optuna_study._storage.set_study_system_attr(optuna_study._study_id, TRAINING_ATTR, training.to_json())
+        attrs[TRAINING_ATTR] = training.to_json()
+    return attrs
 
 
 def list_studies(

@@ -111,6 +111,18 @@ def test_duplicate_name_is_409_naming_the_field(api: httpx.Client, database_url:
     assert row_counts(database_url) == before
 
 
+def test_a_name_an_optuna_study_holds_is_409_naming_the_field(api: httpx.Client, database_url: str) -> None:
+    """The Optuna study is written in the service's own transaction: a name a plain Optuna
+    study already has is refused, and nothing of the refused study is left in either's tables."""
+    optuna.create_study(study_name="theirs", storage=database_url)
+    before = row_counts(database_url)
+    response = api.post("/api/v1/studies", json={**VALID, "name": "theirs"})
+    assert response.status_code == 409
+    assert field_of(response) == [["body", "name"]]
+    assert "Optuna study" in response.text
+    assert row_counts(database_url) == before
+
+
 def test_unknown_study_is_404(api: httpx.Client) -> None:
     for path in ("/api/v1/studies/999", "/api/v1/studies/999/trials"):
         response = api.get(path)
