@@ -546,15 +546,16 @@ class Coordinator(StudyLifecycle):
         whether the study wanted more than it asked."""
         if study.driver == "client":
             return False  # its client asks the trials and enqueues them
-        asked = session.scalar(select(func.count()).where(Trial.study_id == study.id))
-        waiting = session.scalar(
-            select(func.count()).where(Trial.study_id == study.id, Trial.state == TrialState.WAITING)
-        )
+        # One read for the three counts (a round asks every running study, every round).
+        asked, waiting, unfinished = session.execute(
+            select(
+                func.count(),
+                func.count().filter(Trial.state == TrialState.WAITING),
+                func.count().filter(Trial.state.in_([TrialState.WAITING, TrialState.RUNNING])),
+            ).where(Trial.study_id == study.id)
+        ).one()
         wanted = min(study.n_trials - asked, (self.settings.ask_batch or self._capacity()) - waiting)
         if study.max_concurrent_trials is not None:
-            unfinished = session.scalar(
-                select(func.count()).where(Trial.study_id == study.id, Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
-            )
             wanted = min(wanted, study.max_concurrent_trials - unfinished)
         if wanted <= 0 or not self._workload_loads(session, study):
             return False
