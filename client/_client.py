@@ -219,15 +219,33 @@ class Client:
         return self._call("DELETE", f"/api/v1/tokens/{token_id}")
 
     def wait(self, study_id: int, timeout: float = 600.0, poll: float = 1.0, on_poll: Any = None) -> dict[str, Any]:
-        """Block until the study has ended (COMPLETE, CANCELLED or FAILED, and no trial of it runs);
-        ``on_poll(study)`` is called on each poll."""
+        """Block until the study has ended (COMPLETE, CANCELLED or FAILED, and no trial of it runs).
+
+        It follows the study's event stream for ``study.completed`` (``?kind=``), so it returns
+        as the service commits the end, not at its next poll; the study is read again at least
+        every ``poll`` seconds all the same (a stream a proxy cut), and ``on_poll(study)`` is
+        called on each read. The stream is opened before each read, so an end committed
+        between the two is on it.
+        """
         deadline = time.monotonic() + timeout
+        path, params = f"/api/v1/studies/{study_id}/events", {"kind": "study.completed"}
         while True:
-            study = self.study(study_id)
-            if on_poll is not None:
-                on_poll(study)
-            if study["state"] in ENDED and study["completed_at"] is not None:
-                return study
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"study {study_id} not complete after {timeout:.0f} s: {study['trial_counts']}")
-            time.sleep(poll)
+            wait_s = max(0.01, min(poll, deadline - time.monotonic()))
+            read = httpx.Timeout(self._http.timeout.connect, read=wait_s, write=self._http.timeout.write, pool=self._http.timeout.pool)
+            with self._http.stream("GET", path, params=params, timeout=read) as events:
+                study = self.study(study_id)
+                if on_poll is not None:
+                    on_poll(study)
+                if study["state"] in ENDED and study["completed_at"] is not None:
+                    return study
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"study {study_id} not complete after {timeout:.0f} s: {study['trial_counts']}")
+                if events.is_error:  # a service without the stream: poll
+                    time.sleep(wait_s)
+                    continue
+                try:
+                    for line in events.iter_lines():
+                        if line.startswith("event:"):
+                            break
+                except httpx.ReadTimeout:  # nothing within wait_s: read the study again
+                    pass

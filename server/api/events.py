@@ -47,6 +47,15 @@ Follow = Query(True, description="Wait for new events (until the server's FUSETU
                "send the stored ones after the id, then end.")
 
 
+def _start(session: Session, last_event_id: int | None, after: int | None) -> int:
+    """The id a stream starts after: ``Last-Event-ID``, else ``after``, else the newest event's
+    now, as the request is answered (not when its body starts): a client that opens a stream
+    and then reads the study misses nothing committed in between."""
+    if last_event_id is not None:
+        return last_event_id
+    return after if after is not None else events.last_id(session)
+
+
 def _respond(
     request: Request, after: int | None, as_tenant: str | None, study_id: int | None, follow: bool, kinds: list[EventKind] | None
 ) -> EventSourceResponse:
@@ -73,8 +82,9 @@ def study_events(
 ) -> EventSourceResponse:
     """The study's events as they happen: trial asked, started, reported, ended; array started, changed, ended."""
     service._study(session, study_id, principal.tenant)  # another tenant's reads as missing: 404
+    start = _start(session, last_event_id, after)
     session.close()  # the stream reads with sessions of its own; hold no connection while it waits
-    return _respond(request, last_event_id if last_event_id is not None else after, principal.tenant, study_id, follow, kind)
+    return _respond(request, start, principal.tenant, study_id, follow, kind)
 
 
 @router.get("/events", response_class=EventSourceResponse, responses=_STREAM, tags=["events"])
@@ -88,5 +98,6 @@ def tenant_events(
     session: Session = Depends(get_session),
 ) -> EventSourceResponse:
     """Every event of the token's tenant (the admin's token: of every tenant), as they happen."""
+    start = _start(session, last_event_id, after)
     session.close()
-    return _respond(request, last_event_id if last_event_id is not None else after, principal.tenant, None, follow, kind)
+    return _respond(request, start, principal.tenant, None, follow, kind)

@@ -18,8 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
+from fusetune.client import Client
 from fusetune.server import events
-from fusetune.server.db import Array, ArrayMember, ArrayState, Event, Study, Trial, TrialState, get_engine, get_optuna_storage, get_read_engine, get_sessionmaker
+from fusetune.server.db import Array, ArrayMember, ArrayState, Event, Study, StudyState, Trial, TrialState, get_engine, get_optuna_storage, get_read_engine, get_sessionmaker, utcnow
 from tests.conftest import POSTGRES_ENV
 from tests.server.conftest import LiveApi, live_api
 from tests.sse import events_of, parse
@@ -383,6 +384,28 @@ def test_events_committed_in_this_process_wake_its_streams_at_once(slow_polling:
             elif len(got) == 3:
                 break
     assert [e["event"] for e in got] == ["trial.asked", "trial.started", "trial.reported"]
+
+
+def test_client_wait_returns_as_the_study_completes_not_at_its_next_poll(slow_polling: LiveApi) -> None:
+    """``Client.wait`` follows the study's ``study.completed`` event: with an hour between its
+    own reads and the server's, the end committed after its first read still returns it."""
+    clients, studies = _two_tenants(slow_polling)
+    token = clients["acme"].headers["Authorization"].removeprefix("Bearer ")
+    reads: list[str] = []
+
+    def complete_after_the_first_read(study: dict) -> None:
+        reads.append(study["state"])
+        if len(reads) == 1:  # the scheduling loop's part: the study ends, its event commits with it
+            with get_sessionmaker(slow_polling.database_url)() as session:
+                row = session.get(Study, studies["acme"])
+                row.state, row.completed_at = StudyState.COMPLETE, utcnow()
+                events.record(session, "study.completed", tenant="acme", study_id=row.id, state="COMPLETE")
+                session.commit()
+
+    with Client(slow_polling.url, token=token) as client:
+        done = client.wait(studies["acme"], timeout=600, poll=3600, on_poll=complete_after_the_first_read)
+    assert done["state"] == "COMPLETE" and done["completed_at"] is not None
+    assert reads == ["RUNNING", "COMPLETE"]
 
 
 def test_events_past_the_retention_are_pruned(database_url: str) -> None:
