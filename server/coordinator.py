@@ -51,7 +51,7 @@ from fusetune.server.db import (
     TrialState,
     Worker,
     get_optuna_storage,
-    get_sessionmaker,
+    get_loop_sessionmaker,
     utcnow,
 )
 from fusetune.server import events
@@ -210,7 +210,7 @@ class Coordinator(StudyLifecycle):
         self.settings = settings
         self.url = settings.database_url
         self.pool = pool
-        self.sessions = get_sessionmaker(self.url)
+        self.sessions = get_loop_sessionmaker(self.url)
         self.storage = get_optuna_storage(self.url)
         self._mirrors: dict[int, StudyMirror] = {}  # fusetune study id -> its Optuna study, in memory
         self._training: dict[int, TrainingSpec] = {}  # fusetune study id -> its training settings (fixed)

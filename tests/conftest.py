@@ -100,12 +100,14 @@ def _postgres_database() -> Iterator[str]:
     try:
         yield make_url(base).set(database=name).render_as_string(hide_password=False)
     finally:
-        from fusetune.server.db import get_engine, get_optuna_storage, get_read_engine
+        from fusetune.server.db import get_engine, get_loop_sessionmaker, get_optuna_storage, get_read_engine
 
         url = make_url(base).set(database=name).render_as_string(hide_password=False)
         for engine in (get_engine, get_read_engine):
             if engine.cache_info().currsize:
                 engine(url).dispose()
+        if get_loop_sessionmaker.cache_info().currsize:
+            get_loop_sessionmaker(url).kw["bind"].dispose()
         get_optuna_storage.cache_clear()
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
