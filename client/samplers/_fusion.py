@@ -12,9 +12,10 @@ Group membership lives in each trial's system attrs (:data:`ATTR`), never in thi
 as a study grows), so the groups are the same whichever thread, process or pickled copy of
 the sampler asks:
 ``study.optimize(n_jobs=...)``, ask-and-tell and several processes on one storage all see
-them. A lock makes each decision atomic between the threads of one process; between
-processes every write is followed by a read that undoes a clash (see :meth:`_settle`), so a
-race at worst splits a group in two and never mixes values or overfills one.
+them. A lock per storage makes each decision atomic between the threads (and the samplers)
+of one process; between processes every write is followed by a read that undoes a clash
+(see :meth:`_settle`), so a race at worst splits a group in two and never mixes values or
+overfills one. An in-memory storage has no other process: there the read is skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler
+from optuna.storages import InMemoryStorage
 from optuna.study import Study
 from optuna.trial import FrozenTrial, TrialState
 
@@ -44,6 +46,23 @@ ATTR = "fusion_sampler"
 
 #: Trials that are still running for the purpose of keeping their group open.
 _LIVE = (TrialState.RUNNING, TrialState.WAITING)
+
+# One lock per storage, shared by every FusionSampler of the process (and by pickled copies):
+# two samplers on one storage place their trials one at a time, as two threads of one do.
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+_UNREFERENCEABLE = threading.RLock()  # for a storage that cannot be weakly referenced
+
+
+def _lock_of(storage: Any) -> threading.RLock:
+    with _LOCKS_GUARD:
+        try:
+            lock = _LOCKS.get(storage)
+            if lock is None:
+                lock = _LOCKS[storage] = threading.RLock()
+        except TypeError:
+            return _UNREFERENCEABLE
+    return lock
 
 
 def fusion_group(trial: FrozenTrial) -> str | None:
@@ -237,7 +256,6 @@ class FusionSampler(BaseSampler):
         self._base = base_sampler
         self._non_fusible = names
         self._group_size = group_size
-        self._lock = threading.RLock()
         # What finished trials say, per storage and study (see _Finished); never pickled.
         self._finished: weakref.WeakKeyDictionary[Any, dict[int, _Finished]] = weakref.WeakKeyDictionary()
 
@@ -284,15 +302,14 @@ class FusionSampler(BaseSampler):
             f"group_size={self._group_size})"
         )
 
-    # -- pickling: the lock and the memo stay behind, each copy makes its own ---------------
+    # -- pickling: the memo stays behind, each copy makes its own -------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"], state["_finished"]
+        del state["_finished"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.RLock()
         self._finished = weakref.WeakKeyDictionary()
 
     # -- BaseSampler --------------------------------------------------------------------------
@@ -302,7 +319,7 @@ class FusionSampler(BaseSampler):
     def before_trial(self, study: Study, trial: FrozenTrial) -> None:
         """The base sampler's ``before_trial``, then the trial joins a group or opens one."""
         self._base.before_trial(study, trial)
-        with self._lock:
+        with _lock_of(study._storage):
             self._place(study, trial._trial_id)
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
@@ -314,7 +331,7 @@ class FusionSampler(BaseSampler):
     def sample_relative(
         self, study: Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
     ) -> dict[str, Any]:
-        with self._lock:
+        with _lock_of(study._storage):
             proposed = self._base.sample_relative(study, trial, search_space)
             names = [n for n in proposed if n in self._non_fusible and n in search_space]
             if not names:
@@ -345,7 +362,7 @@ class FusionSampler(BaseSampler):
     ) -> Any:
         if param_name not in self._non_fusible:
             return self._base.sample_independent(study, trial, param_name, param_distribution)
-        with self._lock:
+        with _lock_of(study._storage):
             member, view = self._member(study, trial._trial_id)
             if param_name in member.values:  # enqueued, or recorded by sample_relative
                 known, value = True, member.values[param_name]
@@ -445,9 +462,14 @@ class FusionSampler(BaseSampler):
 
         Every trial writes its values (or its joining) before it reads, so of two clashing
         writes the later one's read sees the earlier one: that trial leaves. Threads of one
-        process never clash (the lock orders them); several processes on one storage may,
-        and then a group splits in two instead of mixing values or growing past its size.
+        process never clash (the storage's lock orders them); several processes on one
+        storage may, and then a group splits in two instead of mixing values or growing past
+        its size. Only this process writes Optuna's in-memory storage: nothing to read back
+        (two of the four group reads of an ask, the control plane's included). A subclass
+        may stand for a storage others share, and reads back as any other.
         """
+        if type(study._storage) is InMemoryStorage:
+            return
         view = self._view(study)
         current = view.members.get(member.trial_id)
         if current is None or current.group != member.group:

@@ -266,6 +266,37 @@ def test_optimize_with_four_threads() -> None:
     assert len(groups) <= 16  # trials in flight together shared groups
 
 
+def test_two_samplers_asking_from_threads_of_one_process_share_the_storages_groups() -> None:
+    """Two FusionSamplers on one in-memory storage, each asked from a thread of its own: the
+    storage's lock orders their decisions (nothing reads a group back here: only this
+    process writes an in-memory storage), so no group mixes values or overfills."""
+    storage = InMemoryStorage()
+    studies = [
+        optuna.create_study(storage=storage, study_name="s", sampler=FusionSampler(optuna.samplers.RandomSampler(seed=0), non_fusible=NON_FUSIBLE, group_size=4)),
+    ]
+    studies.append(optuna.load_study(study_name="s", storage=storage, sampler=FusionSampler(optuna.samplers.RandomSampler(seed=1), non_fusible=NON_FUSIBLE, group_size=4)))
+    start = threading.Barrier(2)
+
+    def ask(study: optuna.Study) -> None:
+        start.wait()
+        for _ in range(60):
+            space(study.ask())
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between almost every bytecode: races happen if they can
+    try:
+        threads = [threading.Thread(target=ask, args=(study,)) for study in studies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    groups = assert_groups(studies[0], NON_FUSIBLE, 4, {t.number: set(range(120)) for t in studies[0].trials})
+    assert sum(len(g) for g in groups.values()) == 120
+    assert all(len(g) == 4 for g in groups.values())  # every trial is still running: each group fills up
+
+
 def test_multi_objective_study() -> None:
     study = optuna.create_study(
         directions=["minimize", "maximize"],
@@ -451,9 +482,7 @@ def test_pickled_copies_keep_the_groups_of_the_storage() -> None:
     params = space(second)
     assert fusion_group(storage.get_trial(second._trial_id)) == "0"
     assert (params["hidden"], params["batch_size"]) == (first.params["hidden"], first.params["batch_size"])
-    copy.reseed_rng()  # the copy has a lock of its own
-    with copy._lock:
-        pass
+    copy.reseed_rng()
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
