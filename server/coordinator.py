@@ -58,7 +58,7 @@ from fusetune.server import events
 from fusetune.server.lifecycle import STOPPING, StudyLifecycle
 from fusetune.server.db.bulk import add_updates
 from fusetune.server.db.revisions import next_revision, touch_trials
-from fusetune.server.mirror import StudyMirror
+from fusetune.server.mirror import CreatedStudy, StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
 from fusetune.server.service import Conflict
@@ -87,6 +87,8 @@ _GROUP_COMMIT = 64
 # least _LOOKAHEAD_S of the array's epochs as last measured, and at least this many epochs.
 _LOOKAHEAD_EPOCHS = 2
 _LOOKAHEAD_S = 0.25
+# How long the rows of a study this process created are kept for its first mirror (adopt).
+_CREATED_TTL_S = 60.0
 
 
 def database_unavailable(exc: BaseException) -> bool:
@@ -213,6 +215,9 @@ class Coordinator(StudyLifecycle):
         self.sessions = get_loop_sessionmaker(self.url)
         self.storage = get_optuna_storage(self.url)
         self._mirrors: dict[int, StudyMirror] = {}  # fusetune study id -> its Optuna study, in memory
+        # Studies created in this process, not mirrored yet: their Optuna rows, and when (adopt).
+        self._created: dict[int, tuple[CreatedStudy, float]] = {}
+        self._created_lock = threading.Lock()
         self._training: dict[int, TrainingSpec] = {}  # fusetune study id -> its training settings (fixed)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -282,6 +287,18 @@ class Coordinator(StudyLifecycle):
     def wake(self) -> None:
         """Run a scheduling step now (a study was created), not at the next poll."""
         self._wake.set()
+
+    def adopt(self, study_id: int, created: CreatedStudy) -> None:
+        """A study this process has just created (``created``: its Optuna rows): its mirror is
+        built from them, reading nothing back, and a scheduling step runs now. Any thread."""
+        with self._created_lock:
+            now = time.monotonic()
+            # Kept for the loop's next steps only: a study no step mirrors soon (this process
+            # does not lead, the study is client-driven) is read from the database as ever.
+            for stale in [i for i, (_, at) in self._created.items() if now - at > _CREATED_TTL_S]:
+                del self._created[stale]
+            self._created[study_id] = (created, now)
+        self.wake()
 
     def call(self, fn: Callable[[], _T], timeout: float = 60.0) -> _T:
         """Run ``fn`` on the loop thread, which owns the studies' mirrors, and return its result."""
@@ -522,7 +539,9 @@ class Coordinator(StudyLifecycle):
             pruner = (
                 make_pruner(study.pruner["name"], study.pruner.get("kwargs")) if study.pruner else optuna.pruners.NopPruner()
             )
-            self._mirrors[study.id] = StudyMirror(self.storage, study.optuna_study_id, sampler, pruner)
+            with self._created_lock:
+                created, _ = self._created.pop(study.id, (None, 0.0))
+            self._mirrors[study.id] = StudyMirror(self.storage, study.optuna_study_id, sampler, pruner, created=created)
         return self._mirrors[study.id]
 
     def _training_of(self, study: Study) -> TrainingSpec:

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
 from fusetune.server.optuna_specs import make_sampler
+from fusetune.server.mirror import CreatedStudy
 from fusetune.server.schemas import FAILURE_ATTR, TRAINING_ATTR, ArrayOut, BestTrial, PruningDecision, StudyCreate, StudyOut, StudyUpdate, TrialEnqueue, TrialOut
 from fusetune.workers.spec import TrainingSpec
 from fusetune.workers.workloads import available_workloads, UnknownWorkloadError, get_workload
@@ -109,15 +110,16 @@ def check_running_quota(session: Session, tenant: Tenant) -> None:
 
 def create_study(
     session: Session, url: str, request: StudyCreate, *, as_tenant: str | None = None,
-    allow_workload_imports: bool = False, created: Callable[[], None] | None = None,
+    allow_workload_imports: bool = False, created: Callable[[int, CreatedStudy], None] | None = None,
 ) -> StudyOut:
     """Create the Optuna study and fusetune's record of it, or neither.
 
     The study belongs to ``request.tenant``, else to ``as_tenant``, else to ``default``; the
     tenant must exist, and its quotas hold. A workload given as a module path is imported only
     with ``allow_workload_imports`` (the server's ``FUSETUNE_ALLOW_WORKLOAD_IMPORTS``).
-    ``created`` is called once the study is committed, before its answer is built (the
-    route wakes the scheduling loop with it: the asks start while the answer is read).
+    ``created`` is called once the study is committed, before its answer is built, with the
+    study's id and its Optuna rows (the route hands them to the scheduling loop, which wakes:
+    the asks start while the answer is read, and the loop need not read back what was written).
     """
     try:
         workload = get_workload(request.workload, allow_imports=allow_workload_imports)
@@ -146,9 +148,9 @@ def create_study(
     except IntegrityError as exc:  # an Optuna study of this name committed since the check
         session.rollback()
         raise Conflict("name", f"an Optuna study named {name!r} already exists") from exc
+    optuna_directions = [optuna.study.StudyDirection[d.upper()] for d in directions]
     session.execute(insert(rdb.StudyDirectionModel.__table__), [
-        {"study_id": optuna_study_id, "objective": k, "direction": optuna.study.StudyDirection[d.upper()]}
-        for k, d in enumerate(directions)
+        {"study_id": optuna_study_id, "objective": k, "direction": d} for k, d in enumerate(optuna_directions)
     ])
     attrs = _optuna_system_attrs(request)
     if attrs:
@@ -178,7 +180,7 @@ def create_study(
         session.rollback()
         raise Conflict("name", f"a study named {name!r} already exists") from exc
     if created is not None:
-        created()
+        created(study.id, CreatedStudy(optuna_study_id, name, tuple(optuna_directions), attrs))
     return _study_out(session, url, study)
 
 

@@ -54,7 +54,7 @@ def create_study(
     coordinator = getattr(request.app.state, "coordinator", None)
     return service.create_study(
         session, url, body, as_tenant=principal.tenant, allow_workload_imports=settings.allow_workload_imports,
-        created=coordinator.wake if coordinator is not None else None,  # schedule it now, not at the next poll
+        created=coordinator.adopt if coordinator is not None else None,  # schedule it now, not at the next poll
     )
 
 

@@ -9,7 +9,7 @@ import pytest
 from optuna.trial import TrialState
 
 from fusetune.server.db import get_optuna_storage, get_sessionmaker, upgrade
-from fusetune.server.mirror import StudyMirror
+from fusetune.server.mirror import CreatedStudy, StudyMirror
 
 
 def space(trial: optuna.Trial) -> dict:
@@ -110,3 +110,41 @@ def test_pruner_state_in_system_attrs_is_written_with_the_report(storage: optuna
         stored = storage.get_trial(a.trial_id).system_attrs
         assert stored == mirror.trial(a.trial_id).system_attrs
         assert any(key.startswith("completed_rung_") for key in stored)
+
+
+def test_a_mirror_of_a_study_just_created_holds_what_reading_it_back_would_and_reads_nothing(
+    storage: optuna.storages.RDBStorage, database_url: str
+) -> None:
+    from sqlalchemy import event
+
+    from fusetune.server import service
+    from fusetune.server.schemas import StudyCreate
+
+    handed: list[tuple[int, CreatedStudy]] = []
+    with get_sessionmaker(database_url)() as session:
+        request = StudyCreate(workload="digits-mlp", n_trials=4, epochs=2, name="handed", metrics=["accuracy", "n_params"],
+                              directions=["maximize", "minimize"], optimizer={"name": "Adam", "kwargs": {"betas": [0.8, 0.9]}})
+        out = service.create_study(session, database_url, request, created=lambda *args: handed.append(args))
+    [(study_id, created)] = handed
+    assert study_id == out.id
+    statements: list[str] = []
+
+    def count(conn, cursor, statement, *rest) -> None:  # type: ignore[no-untyped-def]
+        statements.append(statement)
+
+    event.listen(storage.engine, "before_cursor_execute", count)
+    try:
+        new = StudyMirror(storage, created.study_id, optuna.samplers.RandomSampler(seed=0), optuna.pruners.NopPruner(), created=created)
+    finally:
+        event.remove(storage.engine, "before_cursor_execute", count)
+    assert statements == []
+    read = StudyMirror(storage, created.study_id, optuna.samplers.RandomSampler(seed=0), optuna.pruners.NopPruner())
+    for mirror in (new, read):
+        assert mirror.study.study_name == "handed"
+    assert new.study.directions == read.study.directions == [optuna.study.StudyDirection.MAXIMIZE, optuna.study.StudyDirection.MINIMIZE]
+    assert new.system_attrs == read.system_attrs and new.system_attrs  # the metric names and the training spec
+    assert new.study.metric_names == ["accuracy", "n_params"]
+    assert new.study.user_attrs == read.study.user_attrs == {}
+    with get_sessionmaker(database_url).begin() as session:
+        asked = new.ask(session, 2, space)
+    assert [t.number for t in optuna.load_study(study_name="handed", storage=database_url).trials] == [a.number for a in asked]
