@@ -293,8 +293,10 @@ class Coordinator(StudyLifecycle):
         built from them, reading nothing back, and a scheduling step runs now. Any thread."""
         with self._created_lock:
             now = time.monotonic()
-            # Kept for the loop's next steps only: a study no step mirrors soon (this process
-            # does not lead, the study is client-driven) is read from the database as ever.
+            # Kept for the loop's next steps only: a study no step mirrors soon (a client-driven
+            # one whose client has not enqueued yet) is read from the database as ever. Only
+            # this leader's loop writes the study's trials, so until it mirrors the study the
+            # rows are all there is.
             for stale in [i for i, (_, at) in self._created.items() if now - at > _CREATED_TTL_S]:
                 del self._created[stale]
             self._created[study_id] = (created, now)
