@@ -2,21 +2,38 @@
 # The GPU checks as one run, for a session lent a CUDA machine (docs/benchmarks.md):
 #
 #   bash benchmarks/gpu.sh [OUTDIR]        # default: $OUT, else /tmp/fusetune-gpu
+#   MODELS=pointnet MEMBERS=1,8 bash benchmarks/gpu.sh   # a subset
 #
-# It needs only python3 with torch and pytest (the machine's own; not the project's venv):
-# the CUDA tests, the out-of-memory split, the fusion benchmark at B up to 64, and what array
-# sizing picks there.
+# It runs the CUDA tests, the out-of-memory split, the fusion benchmark at B up to 64, and what
+# array sizing picks there. It needs only python3 with torch, pytest, scikit-learn and pyarrow
+# (the machine's own, not the project's venv), plus optuna and colorlog, as wheels in .whl/
+# where the machine lacks them.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/fusetune-gpu}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests/fusion${PYTHONPATH:+:$PYTHONPATH}"
+# A CUDA image has torch but not this project installed, and may reach no package index.
+# Wheels put in .whl/ beforehand (the workloads import optuna) are unpacked beside it...
+if ! $py -c "import optuna" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fusetune-site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/fusetune-site"
+fi
+# ...and the `fusetune` namespace is a folder of links to the repository's folders, as
+# pyproject's package-dir maps them.
+if ! $py -c "import fusetune.fusion" 2>/dev/null; then
+  ns=$(mktemp -d)
+  mkdir "$ns/fusetune"
+  for d in fusion workers scheduler client server migrations; do ln -s "$PWD/$d" "$ns/fusetune/$d"; done
+  export PYTHONPATH="$ns:$PYTHONPATH"
+fi
 members=${MEMBERS:-1,2,4,8,16,32,64}
+models=${MODELS:-mlp,cnn,resnet,transformer,lstm,pointnet}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c "import torch; print(torch.__version__)"; } \
   > "$out/gpu.txt" 2>&1
 # --noconftest: the suite's conftest starts databases and Ray, which the CUDA tests do not use.
 $py -m pytest --noconftest -p no:cacheprovider -q -rs tests/fusion/test_fusion_cuda.py 2>&1 | tee "$out/cuda_tests.txt"
 # Out of memory: an array that runs out of CUDA memory is split and its halves train (issue 12).
 $py -m pytest --noconftest -p no:cacheprovider -q -rs tests/workers/test_oom_cuda.py 2>&1 | tee "$out/oom_tests.txt"
-$py benchmarks/fusion.py --device cuda --members "$members" --steps 10 --rounds 5 2>&1 | tee "$out/fusion_cuda.txt"
-$py benchmarks/fusion.py --device cuda --sizing --members "$members" 2>&1 | tee "$out/sizing_cuda.txt"
+$py benchmarks/fusion.py --device cuda --models "$models" --members "$members" --steps 10 --rounds 5 2>&1 | tee "$out/fusion_cuda.txt"
+$py benchmarks/fusion.py --device cuda --sizing --models "$models" --members "$members" 2>&1 | tee "$out/sizing_cuda.txt"

@@ -115,7 +115,7 @@ class TNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, k, P]
         feat = torch.max(self.conv(x), 2)[0]
-        m = self.fc(feat) + torch.eye(self.k, dtype=x.dtype).flatten()
+        m = self.fc(feat) + torch.eye(self.k, dtype=x.dtype, device=x.device).flatten()
         return m.view(-1, self.k, self.k)
 
 

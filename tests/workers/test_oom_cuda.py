@@ -39,7 +39,8 @@ def drive(spec: ArraySpec, device: torch.device) -> tuple[ArrayOutcome, dict[int
 
 
 def test_an_array_out_of_cuda_memory_is_split_and_its_halves_train(tmp_path: Path) -> None:
-    device = torch.device("cuda")
+    # An index: set_per_process_memory_fraction refuses a bare "cuda" (torch 2.11).
+    device = torch.device("cuda", torch.cuda.current_device())
     workload = get_workload("digits-mlp")
     x, y = workload.datasets()[0].tensors
     base, member = memory_model(lambda: workload.build_model(PARAMS), x[:512], y[:512], device=device, loss_fn=workload.loss, optimizer="sgd")
