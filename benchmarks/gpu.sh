@@ -7,7 +7,8 @@
 # It runs the CUDA tests, the out-of-memory split, the fusion benchmark at B up to 64, and what
 # array sizing picks there. It needs only python3 with torch, pytest, scikit-learn and pyarrow
 # (the machine's own, not the project's venv), plus optuna and colorlog, as wheels in .whl/
-# where the machine lacks them.
+# where the machine lacks them. Fetch those here, for the device's Python 3.12, and carry .whl:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl optuna==5.1.0 colorlog
 set -uo pipefail
 out=${1:-${OUT:-/tmp/fusetune-gpu}}
 mkdir -p "$out"
