@@ -19,6 +19,7 @@ from . import amp, lr_scheduler, optim, sizing
 from ._allocator import reuse_cpu_memory
 from ._errors import FusionError, FusionWarning
 from ._functional import broadcast, clip_grad_norm_, per_member_loss
+from ._imports import import_torch_dynamo
 from ._layout import ModuleLayout, layout
 from ._model import FusedModel, fuse, fuse_from_state_dicts, fuse_seeded
 
@@ -33,6 +34,7 @@ __all__ = [
     "fuse",
     "fuse_from_state_dicts",
     "fuse_seeded",
+    "import_torch_dynamo",
     "layout",
     "lr_scheduler",
     "optim",

@@ -128,7 +128,14 @@ def _build_fused_tree(
         if not fallback:
             raise unsupported("", root)
         return per_member("", list(models))
-    visit("", root)
+    try:
+        visit("", root)
+    finally:
+        # visit calls itself through its closure cell: function and cell form a cycle that
+        # holds memo, and with it every fused layer's parameters, until the cyclic collector
+        # runs. On a GPU that memory would outlive the array (an array that ran out of memory
+        # left its halves none to run in), so the cycle is broken here.
+        del visit
     pin_composable_paths(root)
     return root
 

@@ -224,6 +224,8 @@ def _check_optimizer(name: str, kwargs: Mapping[str, Any]) -> None:
     """Torch's optimizer, then the fused one, accept ``kwargs`` (each checks its own ranges)."""
     defaults = optimizer_arguments(name)
 
+    fusion.import_torch_dynamo()  # not from inside a caller's frames (see there)
+
     def build(values: dict[str, Any]) -> None:
         getattr(torch.optim, name)([_dummy_parameter()], **values)
         OPTIMIZERS[name]([_dummy_parameter()], **values)

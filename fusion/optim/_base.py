@@ -11,6 +11,7 @@ import torch
 from torch.optim import Optimizer
 
 from .._errors import FusionError
+from .._imports import import_torch_dynamo
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -56,6 +57,7 @@ class FusedOptimizer(Optimizer):
     pair_hparams: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        import_torch_dynamo()  # before torch.optim imports it from inside this call's callers
         params = list(params)
         self.num_members = self._infer_members(params)
         # Hyper-parameter tensors: _hp's keyed by value, _per_member's by (group, name).
