@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import optuna
 from optuna.trial import TrialState as OptunaState
-from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
@@ -359,6 +359,13 @@ class Coordinator(StudyLifecycle):
                             type(exc).__name__, len(self._backlog), delay)
                 self._stop.wait(delay)
 
+    #: A round's read of its studies (see :meth:`step`).
+    _round_studies = (
+        select(Study)
+        .where(or_(Study.state == StudyState.RUNNING, and_(Study.state.in_(STOPPING), Study.completed_at.is_(None))))
+        .order_by(Study.id)
+    )
+
     def _settle_heap(self) -> None:
         """Once, the first time nothing runs after a study ran: collect and freeze the heap.
 
@@ -383,11 +390,13 @@ class Coordinator(StudyLifecycle):
         if time.monotonic() >= self._next_prune:
             self._prune_events()
         self._handle(self.pool.wait(0))
-        self._settle()  # cancelled, failed and deleted studies: end what can end
         with self.sessions() as session:
-            studies = session.scalars(
-                select(Study).where(Study.state == StudyState.RUNNING).order_by(Study.id)
-            ).all()
+            # One read a round (it runs after every array-epoch): the running studies, and the
+            # stopping ones not settled yet (cancelled, failed, deleted: end what can end).
+            listed = session.scalars(self._round_studies).all()
+            studies = [s for s in listed if s.state == StudyState.RUNNING]
+            for study in [s for s in listed if s.state in STOPPING]:
+                self._settle_study(session, study)
             self._studies_running = len(studies)
             # A study whose last trials were recorded ends first: its stream says so before
             # anything else this round does.

@@ -1,9 +1,10 @@
 """A study's life after it is created: pause and resume, cancel, delete, more trials, failure.
 
 All of it runs on the scheduling loop's thread (request threads hand it over with
-``Coordinator.call``; the loop's own steps call :meth:`StudyLifecycle._settle`), so the
-loop's view of the arrays it runs (``_live``), the arrays awaiting a client (``_awaiting``),
-the placements (``_running``) and the studies' mirrors never disagrees with the database.
+``Coordinator.call``; each of the loop's steps calls :meth:`StudyLifecycle._settle_study`
+for every stopping study not settled yet), so the loop's view of the arrays it runs
+(``_live``), the arrays awaiting a client (``_awaiting``), the placements (``_running``) and
+the studies' mirrors never disagrees with the database.
 
 Members leave a running array the way preempted members do (``WorkerPool.release``): at the
 array's next epoch boundary, checkpointed. Then:
@@ -196,21 +197,11 @@ class StudyLifecycle:
             return self._settle_study(session, study)
 
     # -- what the loop does every step ---------------------------------------------------------
-    def _settle(self) -> None:
-        """Drive every stopping study that has not settled yet one step on (see :meth:`_settle_study`).
-
-        Also after a restart: a study cancelled or deleted while the previous process ran.
-        """
-        with self.sessions() as session:
-            stopping = session.scalars(
-                select(Study).where(Study.state.in_(STOPPING), Study.completed_at.is_(None)).order_by(Study.id)
-            ).all()
-            for study in stopping:
-                self._settle_study(session, study)
-
     def _settle_study(self, session: Session, study: Study) -> bool:
-        """End what of a stopping study can end now, ask its running members to leave, and,
-        once nothing of it runs, set ``completed_at`` (or remove a DELETING study).
+        """Drive a stopping study one step on (every round, also after a restart: a study
+        cancelled or deleted while the previous process ran). End what of it can end now, ask
+        its running members to leave, and, once nothing of it runs, set ``completed_at`` (or
+        remove a DELETING study).
 
         Returns whether the study is gone (deleted).
         """
