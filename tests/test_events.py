@@ -13,32 +13,11 @@ from sqlalchemy import func, select
 
 from fusetune.server.db import Array, Trial, TrialState, get_sessionmaker
 from tests.conftest import running_service
-from tests.sse import events_of, parse
+from tests.sse import events_of, follow_until_done
 
 pytestmark = pytest.mark.slow
 ONE_SHAPE = {"hidden": optuna.distributions.distribution_to_json(optuna.distributions.CategoricalDistribution([32]))}
 EPOCHS = 2
-
-
-def done(seen: list[dict]) -> bool:
-    """The study completed and every array that started has ended (it may end just after)."""
-    kinds = [e["event"] for e in seen]
-    return "study.completed" in kinds and kinds.count("array.ended") == kinds.count("array.started")
-
-
-def follow_until_done(http: httpx.Client, study_id: int) -> list[dict]:
-    """The study's events from the first until :func:`done`; a stream that ends (the server's
-    FUSETUNE_EVENTS_MAX_STREAM_S) is reopened with Last-Event-ID, as an EventSource does."""
-    seen: list[dict] = []
-    headers: dict[str, str] = {}
-    while True:
-        with http.stream("GET", f"/api/v1/studies/{study_id}/events", params={"after": 0}, headers=headers) as response:
-            assert response.status_code == 200, response.read()
-            for event in parse(response.iter_lines()):
-                seen.append(event)
-                if done(seen):
-                    return seen
-        headers = {"Last-Event-ID": seen[-1]["id"]} if seen else {}
 
 
 def test_a_sweeps_events_arrive_in_order_and_resume_after_the_last_seen(ray_cluster: str, database_url: str, tmp_path: Path) -> None:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import optuna
 import pytest
 
 from fusetune.client import Client
 from tests.conftest import _postgres_database, members_at_once, running_service
 from tests.faults import wait_until
-from tests.sse import events_of
+from tests.sse import events_of, follow_until_done
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +53,10 @@ def test_sweep_over_http_matches_optuna(service: Client, database_url: str) -> N
     )
     study = service.wait(study["id"], timeout=300)
     assert study["trial_counts"]["COMPLETE"] == 7
+    # The study completes with its last epoch; each array's record closes with its outcome,
+    # which may come just after.
+    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}, timeout=120) as http:
+        follow_until_done(http, study["id"])
 
     trials = service.trials(study["id"])
     arrays = service.arrays(study["id"])
