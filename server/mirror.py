@@ -91,7 +91,7 @@ def _read_study(
             .order_by(rdb.StudyDirectionModel.objective)
         ))
         system_attrs, user_attrs = (
-            {k: json.loads(v) for k, v in session.execute(select(model.key, model.value_json).where(model.study_id == study_id)).tuples()}
+            {k: json.loads(v) for k, v in session.execute(select(model.key, model.value_json).where(model.study_id == study_id))}
             for model in (rdb.StudySystemAttributeModel, rdb.StudyUserAttributeModel)
         )
         has_trials = session.scalar(select(rdb.TrialModel.trial_id).where(rdb.TrialModel.study_id == study_id).limit(1)) is not None
