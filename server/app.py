@@ -12,6 +12,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from fusetune.fusion import import_torch_dynamo
 from fusetune.server import service
 from fusetune.server.api import health_router, router, tenants_router
 from fusetune.server.api.http import install as install_http
@@ -57,6 +58,10 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
             # over when the lock's holder dies.
             app.state.leadership = Leadership(app, settings)
             app.state.leadership.start()
+        # torch.optim imports torch._dynamo (~1 s on the 2-core machine) when the first
+        # optimizer is built, which checking a study's optimizer does: now, not in the first
+        # study's asks.
+        import_torch_dynamo()
         # What the server holds once it is up (its modules, Ray, torch, Optuna) lives as long
         # as it does: frozen, the collector's full passes stop walking it. Unfrozen, one took
         # ~200 ms on the 2-core machine every few sweeps, stalling the scheduling loop and

@@ -43,6 +43,9 @@ class ArrayWorker:
         self._releases: dict[int, set[int]] = {}
         self._replies: dict[int, queue.SimpleQueue[EpochReply]] = {}
         self._settled: set[str] = set()  # workloads whose first array has run here (see run)
+        # torch.optim imports torch._dynamo (~1 s on the 2-core machine) when the first
+        # optimizer is built: now, not in the build of this worker's first array.
+        fusion.import_torch_dynamo()
         # What the process holds by now (torch, Ray, these modules) lives as long as it does:
         # frozen, the collector's full passes stop walking it. Unfrozen, one took ~150 ms on
         # the 2-core machine, every few arrays, stalling whichever array was building.
