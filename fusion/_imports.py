@@ -19,9 +19,10 @@ def import_torch_dynamo() -> None:
     frame's ``f_back`` every frame above it, for the life of the process. Whatever the
     first optimizer's builder held would never be freed: a worker's first array (its fused
     model, optimizer state and data; on a GPU, device memory), or the server's first study.
-    Imported here first, the frames kept are this thread's, which hold nothing. Called
-    before an optimizer is built: :class:`fusion.optim.FusedOptimizer` and the workers'
-    checks of torch's own optimizers.
+    Imported here first, the frames kept are this thread's, which hold nothing. The server
+    and each worker call it as they start (the import takes about a second); in any other
+    process, :class:`fusion.optim.FusedOptimizer` and the workers' checks of torch's own
+    optimizers call it before they build one.
     """
     if "torch._dynamo" in sys.modules:
         return
