@@ -43,7 +43,6 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution  # n
 from fusetune.client.samplers import FusionSampler, fusion_group, non_fusible_params  # noqa: E402
 from fusetune.scheduler import PendingTrial, pack  # noqa: E402
 from fusetune.server.signatures import trial_signature  # noqa: E402
-from fusetune.server.db import Study  # noqa: E402
 from fusetune.workers.workloads import Workload, get_workload  # noqa: E402
 
 SPACE = {
@@ -93,14 +92,13 @@ def sweep(
     make_sampler: Callable[[int], optuna.samplers.BaseSampler], seed: int, trials: int, batch: int, epochs: int
 ) -> Sweep:
     workload = get_workload("digits-mlp")
-    signature_study = Study(epochs=epochs)
     study = optuna.create_study(direction="maximize", sampler=make_sampler(seed))
     arrays = 0
     start = time.perf_counter()
     for first in range(0, trials, batch):
         asked = [study.ask(fixed_distributions=SPACE) for _ in range(min(batch, trials - first))]
         pending = [
-            PendingTrial(trial_id=t.number, signature=trial_signature(workload, signature_study, t.params)) for t in asked
+            PendingTrial(trial_id=t.number, signature=trial_signature(workload, t.params)) for t in asked
         ]
         arrays += len(pack(pending, ARRAY_SIZE))
         values = [train(workload, t.params, epochs, seed=1000 * seed + t.number) for t in asked]

@@ -154,7 +154,7 @@ def study_sampler(study: Study, settings: Settings, devices: int = 1) -> optuna.
             _NON_FUSIBLE[key] = non_fusible_params(
                 workload,
                 distributions=parse_search_space(study.search_space) if study.search_space else None,
-                signature=lambda params: trial_signature(workload, study, params),
+                signature=lambda params: trial_signature(workload, params),
             )
         return FusionSampler(sampler, non_fusible=_NON_FUSIBLE[key], group_size=group_size(study, settings, devices))
     except ValueError as exc:
@@ -656,7 +656,7 @@ class Coordinator(StudyLifecycle):
                    "signature": "", "state": TrialState.WAITING, "error": trial.error, "completed_at": None}
             if trial.error is None:
                 try:
-                    row["signature"] = trial_signature(workload, study, trial.params, self._training_of(study))
+                    row["signature"] = trial_signature(workload, trial.params, self._training_of(study))
                 except Exception as exc:  # the workload's model rejected these params
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     mirror.tell(session, trial.trial_id, OptunaState.FAIL)

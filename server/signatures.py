@@ -30,22 +30,23 @@ _ABSENT = object()  # a param the factory looked up and did not find (it used it
 _MAX_MEMO = 4096  # entries kept per (workload, settings): a guard against unbounded spaces
 
 
-def array_settings(
-    workload: Workload, study: Any, params: Mapping[str, Any], training: TrainingSpec | None = None
-) -> dict[str, Any]:
+def array_settings(workload: Workload, params: Mapping[str, Any], training: TrainingSpec | None = None) -> dict[str, Any]:
     """The settings every member of an array must share, beyond its operator shapes.
 
     The optimizer class and its array-wide flags, the LR scheduler class and AMP come from
     the trial's recipe (``workers.optimization.resolve``: its params, else the study's
     ``training`` settings, else the workload's), so trials with different optimizers never
-    share an array. ``study`` is anything with the study's ``epochs``. Raises
-    ``OptionError`` naming the parameter a recipe cannot use.
+    share an array. Raises ``OptionError`` naming the parameter a recipe cannot use.
+
+    The study's epochs are not among them: an array holds one study's trials (the
+    scheduler's class is the signature within a study), and what a signature keys beyond
+    packing, the measured speed of its arrays, is the same for 5 epochs as for 50: a second
+    study of the same model reuses it whatever its epochs.
     """
     return {
         "workload": workload.name,
         **resolve(workload, training, params).array_settings(),
         "batch_size": workload.batch_size_for(params),
-        "epochs": study.epochs,
     }
 
 
@@ -114,15 +115,12 @@ class _Memo:
 _memo = _Memo()
 
 
-def trial_signature(
-    workload: Workload, study: Any, params: Mapping[str, Any], training: TrainingSpec | None = None
-) -> str:
+def trial_signature(workload: Workload, params: Mapping[str, Any], training: TrainingSpec | None = None) -> str:
     """The shape signature of a trial's model, built on the meta device (no memory, no init cost).
 
-    Memoised by the params the workload's ``build_model`` read (see the module docstring);
-    ``study`` is anything with the study's ``epochs``.
+    Memoised by the params the workload's ``build_model`` read (see the module docstring).
     """
-    settings = array_settings(workload, study, params, training)
+    settings = array_settings(workload, params, training)
     # The factory itself, not the workload's name: a name registered again is another model.
     key = (workload.build_model, json.dumps(settings, sort_keys=True, default=repr))
     digest = _memo.get(key, params)

@@ -210,16 +210,16 @@ def test_a_restarted_service_sizes_arrays_from_what_earlier_arrays_measured(ray_
     get_optuna_storage(url)
     sessions = get_sessionmaker(url)
 
-    def submit(name: str) -> None:
+    def submit(name: str, epochs: int) -> None:
         with sessions() as session:
-            service.create_study(session, url, StudyCreate(workload="digits-mlp", n_trials=4, epochs=2, name=name,
+            service.create_study(session, url, StudyCreate(workload="digits-mlp", n_trials=4, epochs=epochs, name=name,
                                                            search_space=ONE_SHAPE))
 
     pool = WorkerPool(cpu_workers=1, name_prefix="restart")
     try:
         first = Coordinator(settings, pool)
         first.setup()
-        submit("before")
+        submit("before", epochs=2)
         first.step()
         assert pool.workers[0].spec.probe_solo, "a new class's first array measures its unfused speed"
         _step_until(first, lambda: _study_state(url, "before") == StudyState.COMPLETE, "the first study")
@@ -227,10 +227,11 @@ def test_a_restarted_service_sizes_arrays_from_what_earlier_arrays_measured(ray_
             measured = {t.members: t.models_steps_per_s for t in session.scalars(select(Throughput))}
         assert set(measured) == {1, 4}
 
-        # A new process on the same database: the same shapes are known, nothing is measured again.
+        # A new process on the same database: the same shapes are known, nothing is measured
+        # again, though this study trains for other epochs.
         second = Coordinator(settings, pool)
         second.setup()
-        submit("after")
+        submit("after", epochs=3)
         second.step()
         spec = pool.workers[0].spec
         assert spec is not None and not spec.probe_solo

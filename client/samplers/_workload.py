@@ -184,9 +184,5 @@ def non_fusible_params(
 def _service_signature(workload: Workload) -> Callable[[Mapping[str, Any]], str]:
     """The service's signature function for ``workload``'s trials (imports the server's code)."""
     from fusetune.server.signatures import trial_signature
-    from fusetune.server.db import Study
 
-    # trial_signature reads the study's epochs, which are the same for every trial of a
-    # study and so never decide whether two of its trials share an array.
-    study = Study(epochs=1)
-    return lambda params: trial_signature(workload, study, params)
+    return lambda params: trial_signature(workload, params)

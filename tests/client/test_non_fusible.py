@@ -17,7 +17,6 @@ from torch import nn
 from fusetune.client.samplers import FusionSampler, fusion_group, non_fusible_params
 from fusetune.client.samplers._workload import probe_values
 from fusetune.server.signatures import trial_signature
-from fusetune.server.db import Study
 from fusetune.workers.workloads import UnknownWorkloadError, get_workload
 
 SPACE = {
@@ -75,13 +74,12 @@ def test_a_groups_trials_have_one_service_signature() -> None:
     )
     assert sampler.non_fusible == {"hidden", "batch_size"} and sampler.group_size == 4
     study = optuna.create_study(direction="maximize", sampler=sampler)
-    study_row = Study(epochs=3)
     signatures: dict[str, set[str]] = {}
     for _ in range(3):
         asked = [study.ask(fixed_distributions=SPACE) for _ in range(8)]
         for trial in asked:
             frozen = study._storage.get_trial(trial._trial_id)
-            signatures.setdefault(fusion_group(frozen), set()).add(trial_signature(workload, study_row, trial.params))
+            signatures.setdefault(fusion_group(frozen), set()).add(trial_signature(workload, trial.params))
             study.tell(trial, trial.params["lr"])
     assert len(signatures) == 6  # two groups of four per batch of eight
     assert all(len(s) == 1 for s in signatures.values())

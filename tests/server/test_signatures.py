@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 from torch import nn
 
-from fusetune.server.signatures import trial_signature
+from fusetune.server.signatures import array_settings, trial_signature
 from fusetune.workers.workloads import get_workload
 from fusetune.workers.workloads._base import Workload
 
-STUDY = types.SimpleNamespace(epochs=3)
 MLP = get_workload("digits-mlp")
 
 
@@ -29,8 +26,8 @@ def counting(workload: Workload) -> tuple[Workload, list[int]]:
 def test_params_the_factory_does_not_read_reuse_the_signature():
     workload, calls = counting(MLP)
     base = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "hidden": 32}
-    first = trial_signature(workload, STUDY, base)
-    again = [trial_signature(workload, STUDY, {**base, "lr": lr, "momentum": 0.1}) for lr in (0.01, 0.02, 0.3)]
+    first = trial_signature(workload, base)
+    again = [trial_signature(workload, {**base, "lr": lr, "momentum": 0.1}) for lr in (0.01, 0.02, 0.3)]
     assert again == [first] * 3
     assert len(calls) == 1
 
@@ -38,20 +35,26 @@ def test_params_the_factory_does_not_read_reuse_the_signature():
 def test_a_param_the_factory_reads_builds_again_and_changes_the_signature():
     workload, calls = counting(MLP)
     base = {"lr": 0.1, "hidden": 32}
-    narrow = trial_signature(workload, STUDY, base)
-    wide = trial_signature(workload, STUDY, {**base, "hidden": 64})
+    narrow = trial_signature(workload, base)
+    wide = trial_signature(workload, {**base, "hidden": 64})
     assert wide != narrow and len(calls) == 2
     # A value of another type is another read (int(32.0) is 32, yet a factory may tell them apart).
-    assert trial_signature(workload, STUDY, {**base, "hidden": 32.0}) == narrow and len(calls) == 3
+    assert trial_signature(workload, {**base, "hidden": 32.0}) == narrow and len(calls) == 3
     # Back to a width seen before: no build.
-    assert trial_signature(workload, STUDY, {**base, "hidden": 64, "lr": 0.5}) == wide and len(calls) == 3
+    assert trial_signature(workload, {**base, "hidden": 64, "lr": 0.5}) == wide and len(calls) == 3
 
 
 def test_array_settings_are_part_of_the_key():
     workload, calls = counting(MLP)
     params = {"lr": 0.1, "hidden": 32}
-    assert trial_signature(workload, STUDY, params) != trial_signature(workload, types.SimpleNamespace(epochs=4), params)
+    assert trial_signature(workload, params) != trial_signature(workload, {**params, "optimizer": "Adam"})
     assert len(calls) == 2
+
+
+def test_the_study_s_epochs_are_not_in_the_signature():
+    # An array holds one study's trials whatever the signature says; what else a signature
+    # keys (the measured speed of its arrays, persisted) holds for any number of epochs.
+    assert "epochs" not in array_settings(MLP, {"lr": 0.1, "hidden": 32})
 
 
 def test_a_factory_that_needs_a_dict_is_built_unmemoised():
@@ -60,7 +63,7 @@ def test_a_factory_that_needs_a_dict_is_built_unmemoised():
         return nn.Linear(4, int(params.get("width", 2)))
 
     workload = Workload(**{**MLP.__dict__, "build_model": build})
-    assert trial_signature(workload, STUDY, {"width": 3}) != trial_signature(workload, STUDY, {"width": 5})
+    assert trial_signature(workload, {"width": 3}) != trial_signature(workload, {"width": 5})
 
 
 def test_a_factory_error_is_the_factorys_own():
@@ -69,4 +72,4 @@ def test_a_factory_error_is_the_factorys_own():
 
     workload = Workload(**{**MLP.__dict__, "build_model": build})
     with pytest.raises(ValueError, match="width must be positive, got -1"):
-        trial_signature(workload, STUDY, {"width": -1})
+        trial_signature(workload, {"width": -1})

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from fusetune.server.signatures import trial_signature
-from fusetune.server.db import Study
 from fusetune.workers.actor import ArrayWorker
 from fusetune.workers.optimization import (
     LR_SCHEDULERS,
@@ -257,18 +256,17 @@ def test_members_with_different_optimizers_never_share_an_array(tmp_path: Path) 
 
 
 def test_the_optimizer_and_its_flags_are_in_the_shape_signature_its_numbers_are_not() -> None:
-    study = Study(epochs=3)
     base = {"hidden": 32, "lr": 0.1}
-    sig = lambda **change: trial_signature(MLP, study, {**base, **change})  # noqa: E731
+    sig = lambda **change: trial_signature(MLP, {**base, **change})  # noqa: E731
     assert sig() == sig(lr=0.01, momentum=0.5, max_norm=1.0, warmup_epochs=2)  # per member: fused together
     assert sig() == sig(optimizer="sgd")  # the workload's own, by its lower-case name
     assert len({sig(), sig(optimizer="Adam"), sig(optimizer="AdamW"), sig(optimizer="RMSprop")}) == 4
     assert sig() != sig(nesterov=True, momentum=0.9)
     assert sig(optimizer="Adam") != sig(optimizer="Adam", amsgrad=True)
     stepped = TrainingSpec(lr_scheduler="StepLR", lr_scheduler_kwargs={"step_size": 2})
-    assert trial_signature(MLP, study, base, stepped) != sig()
-    assert trial_signature(MLP, study, base, stepped) == trial_signature(MLP, study, {**base, "gamma": 0.3}, stepped)
-    assert trial_signature(MLP, study, base, TrainingSpec(amp=True)) != sig()
+    assert trial_signature(MLP, base, stepped) != sig()
+    assert trial_signature(MLP, base, stepped) == trial_signature(MLP, {**base, "gamma": 0.3}, stepped)
+    assert trial_signature(MLP, base, TrainingSpec(amp=True)) != sig()
 
 
 def test_recipes_take_the_trials_value_else_the_studys_else_the_workloads_else_torchs() -> None:
