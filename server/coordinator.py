@@ -793,19 +793,16 @@ class Coordinator(StudyLifecycle):
             # Every member has ended: the array stops at this boundary, and an offer would
             # arrive too late and wait for it to end. Its worker takes a new one.
             return
-        size = min(cap, len(spec.members))
         # The boundaries (epochs of the array) where its members on their last epochs leave.
         ends = sorted(finishing[i] for i in present if i in finishing)
-        now_free = 0 if chain else max(0, size - len(present))
-        later = max(0, size - (len(present) - len(ends)) - now_free)  # offered newcomers count as staying
-        joining = self._trials(session, [waiting.pop(i)[0].id for i in ids[: now_free + later]])
+        now_free, places = offer_plan(min(cap, len(spec.members)), len(present), ends, chain)
+        joining = self._trials(session, [waiting.pop(i)[0].id for i in ids[: now_free + len(places)]])
         if not joining:
             return
         if joining[:now_free]:
             self._refill(session, worker, spec.array_id, joining[:now_free])
-        # Each takes the place of a member that leaves at a boundary: the latest ones, so that
-        # the array never holds more than its size even when earlier places were offered before.
-        afters = ends[len(ends) - len(joining[now_free:]):]
+        # Fewer newcomers than places: they take the latest ones (see offer_plan).
+        afters = places[len(places) - len(joining[now_free:]):]
         for after in sorted(set(afters)):
             group = [t for t, a in zip(joining[now_free:], afters, strict=True) if a == after]
             self._refill(session, worker, spec.array_id, group, after_epoch=after)
@@ -1338,6 +1335,23 @@ class Coordinator(StudyLifecycle):
             events.record(session, "study.completed", tenant=study.tenant, study_id=study.id, trial_counts={s.value: n for s, n in counts.items()})
             session.commit()
             self._mirrors.pop(study.id, None)
+
+
+def offer_plan(size: int, present: int, ends: Sequence[int], chain: bool = False) -> tuple[int, list[int]]:
+    """Where an array of ``size`` places takes waiting trials of its class.
+
+    ``present``: its members and the trials offered to it already; ``ends``: sorted, the
+    boundaries (epochs of the array) where those of them on their last epochs leave.
+    Returns how many join at its next boundary (the places ended members freed; none with
+    ``chain``, which offers only the places of members on their last epoch) and, for each
+    newcomer that joins later, the boundary whose leaving member it replaces: the latest
+    ones, so that the array never holds more than ``size``, even where earlier places were
+    offered before. There are never more of those than members that leave.
+    """
+    now_free = 0 if chain else max(0, size - present)
+    # Offered newcomers count as staying: what is left to fill is size less the stayers.
+    later = min(len(ends), max(0, size - (present - len(ends)) - now_free))
+    return now_free, list(ends[len(ends) - later:])
 
 
 def _member_spec(trial: Trial) -> MemberSpec:
