@@ -277,6 +277,10 @@ class FusetuneServer:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join([line for line in text if not line.startswith("INFO:     127.0.0.1:")][-lines:])
 
+    def failed_steps(self) -> int:
+        """How many scheduling rounds failed so far (the loop logs each and retries)."""
+        return self.log_path.read_text(errors="replace").count("scheduling step failed")
+
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
             raise RuntimeError(f"fusetune serve exited with {self.proc.returncode}; its log ends:\n{self.log_tail()}")
@@ -441,6 +445,7 @@ def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: 
                             continue
                         cap = 1 if system == "unfused" else None
                         concurrent = sweep.n_trials // 2 if system == "learning" else None
+                        failed_before = server.failed_steps()
                         wall, util, study = run_study(server, sweep, seed, system, args, cap, concurrent)
                         arrays = study_arrays(server, study["id"])
                         timings: dict[str, float] = {}
@@ -463,6 +468,10 @@ def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: 
                         )
                         runs.append(run)
                         print_progress(run)
+                        failed = server.failed_steps() - failed_before
+                        if failed:  # the loop went on, but a failed round delays what it would have started
+                            print(f"  ! {failed} scheduling steps failed during this sweep; the server's log ends:\n"
+                                  f"{server.log_tail(12)}", flush=True)
         finally:
             server.stop()
     return runs
