@@ -87,6 +87,9 @@ _GROUP_COMMIT = 64
 # least _LOOKAHEAD_S of the array's epochs as last measured, and at least this many epochs.
 _LOOKAHEAD_EPOCHS = 2
 _LOOKAHEAD_S = 0.25
+# An array is split onto an idle device only when that is estimated to end its members this
+# much sooner (a fraction of their time left): see split_plan.
+_SPLIT_MIN_GAIN = 0.25
 # How long the rows of a study this process created are kept for its first mirror (adopt).
 _CREATED_TTL_S = 60.0
 
@@ -224,6 +227,7 @@ class Coordinator(StudyLifecycle):
         self._thread: threading.Thread | None = None
         self._worker_ids: dict[str, int] = {}
         self._running: dict[str, Placement] = {}  # device -> the array the scheduler placed there
+        self._moves: dict[str, list[int]] = {}  # idle device -> members leaving an array for it (_split_for_idle)
         self._resumes: dict[int, int] = {}  # trial id -> times re-queued from a checkpoint
         # Worker events not yet written (the database was unreachable), oldest first.
         self._backlog: deque[Event] = deque()
@@ -417,6 +421,8 @@ class Coordinator(StudyLifecycle):
                     self._dispatch(session, asking={s.id for s in asking})
             for study in studies:  # trials a search space rejected ended as they were asked
                 self._maybe_complete(session, study)
+            if self._studies_running and self.pool.idle():
+                self._split_for_idle(session)
 
     def _handle(self, events: Sequence[Event]) -> bool:
         """Answer epoch reports and record ended arrays, in the order the workers said them.
@@ -707,6 +713,7 @@ class Coordinator(StudyLifecycle):
             if t.study_id in studies
         ]
         waiting = {t.id: (t, study) for t, study in rows if t.array_id is None and t.state == TrialState.WAITING}
+        self._start_moves(session, rows, idle, waiting)
         if not waiting:
             return
         finishing = self._finishing(rows)
@@ -786,6 +793,8 @@ class Coordinator(StudyLifecycle):
         array never holds more than the size it started with (or ``cap``). With ``chain``,
         only the places of members on their last epoch are offered."""
         spec = worker.spec
+        moving = {i for ids in self._moves.values() for i in ids}
+        ids = [i for i in ids if i not in moving]  # they left for an idle device: they go there
         present = [t.id for t, _ in rows if t.array_id == spec.array_id]
         if chain and not any(i in finishing for i in present):
             return
@@ -846,6 +855,78 @@ class Coordinator(StudyLifecycle):
                 given[p.signature] += 1
             out.append(p)
         return out
+
+    def _split_for_idle(self, session: Session) -> None:
+        """A device idle with nothing waiting takes half of a running array's members, when
+        the measured speeds say both halves end sooner than the whole array would.
+
+        The classes of a sweep cost differently (a wider model takes longer per epoch), so
+        the device of the cheaper class goes idle while the other class's array still has
+        epochs to train. Its members with the most epochs left leave at the array's next
+        boundary with their checkpoints, as preempted members do (:meth:`_preempt`), and
+        the next round starts them on the idle device (:func:`split_plan` weighs it). One
+        array a round, and none while members it was asked to let go have not left yet.
+        """
+        if self._moves:
+            return  # members on their way to an idle device: one move at a time
+        idle = {w.device_type: w for w in self.pool.idle()}
+        rows = session.execute(
+            select(Trial.id, Trial.state, Trial.array_id, Study.epochs)
+            .join(Study, Trial.study_id == Study.id)
+            .where(Study.state == StudyState.RUNNING, Trial.state.in_([TrialState.WAITING, TrialState.RUNNING]))
+        ).all()
+        if any(t.state == TrialState.WAITING for t in rows):
+            return  # trials wait for a device, or for the array offered them: nothing moves
+        busy = {w.name: w for w in self.pool.workers if not w.idle and w.spec is not None}
+        best: tuple[float, str, list[int]] | None = None
+        for name, worker in busy.items():
+            live, current = self._live.get(worker.spec.array_id), self._running.get(name)
+            if (
+                worker.device_type not in idle or live is None or current is None or live.client_decides
+                or live.study_id in self._halting  # paused or stopping: its members leave anyway
+            ):
+                continue
+            members = [t for t in rows if t.array_id == worker.spec.array_id]
+            if any(t.id not in current.trial_ids for t in members) or any(t.id not in live.steps for t in members):
+                continue  # members are leaving already, or have not reported here yet
+            # Epochs each has left after the one it trains now.
+            remaining = {t.id: t.epochs - 2 - live.steps[t.id] for t in members}
+            epoch_s, size = live.last_epoch
+            curve = self.scheduler.throughput.curve(worker.spec.signature, worker.device_type)
+            build_s = live.timings.get("build_s", 0.0)
+            movers, saved = split_plan(
+                remaining, epoch_s if size == len(members) else 0.0, build_s, curve.rate, self.settings.move_latency_s
+            )
+            if movers and (best is None or saved > best[0]):
+                best = (saved, name, movers)
+        if best is not None:
+            saved, name, movers = best
+            target = idle[busy[name].device_type].name
+            log.info("worker %s: %d members move to %s (%.2f s sooner, estimated)", name, len(movers), target, saved)
+            self._preempt(movers, busy, [(t, None) for t in rows])
+            self._moves[target] = movers
+
+    def _start_moves(
+        self, session: Session, rows: Sequence[Any], idle: dict[str, WorkerHandle], waiting: dict[int, tuple[Any, Study]]
+    ) -> None:
+        """Members that left an array for an idle device (:meth:`_split_for_idle`) start there as
+        one array as soon as they have all left: the scheduler would see a class with a device
+        already, and might offer them back to the array they left. A move whose device was
+        taken meanwhile, or one of whose members ended instead, is the scheduler's again."""
+        unfinished = {t.id for t, _ in rows}
+        for name, movers in list(self._moves.items()):
+            worker = idle.get(name)
+            if worker is not None and all(i in waiting for i in movers):
+                del self._moves[name]
+                study = waiting[movers[0]][1]
+                members = self._trials(session, [waiting.pop(i)[0].id for i in movers])
+                self._start_array(session, study, worker, members)
+                self._running[name] = Placement(
+                    name, _class_of(members[0]), study.tenant, tuple(movers), time.monotonic() + self.settings.lease_s
+                )
+                del idle[name]
+            elif worker is None or any(i not in unfinished for i in movers):
+                del self._moves[name]
 
     @staticmethod
     def _trials(session: Session, ids: Sequence[int]) -> list[Trial]:
@@ -1048,8 +1129,11 @@ class Coordinator(StudyLifecycle):
         self._truncate_resumed(session, mirror, report, optuna_id)
         mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
         live.steps.update((m.trial_id, m.step) for m in report.members)
-        epoch_s = sum(v for v in report.timings.values() if isinstance(v, int | float))
+        # An epoch's own time: the first array-epoch's report also carries the array's build and
+        # the class's solo probe, which no later epoch repeats.
+        epoch_s = sum(v for k, v in report.timings.items() if isinstance(v, int | float) and k not in ("build_s", "probe_s"))
         live.lookahead = max(_LOOKAHEAD_EPOCHS, math.ceil(_LOOKAHEAD_S / epoch_s) if epoch_s > 0 else 0)
+        live.last_epoch = (epoch_s, report.size)
         # Their Optuna trials got a value: pollers (updated_since) read them again.
         touch_trials(session, [m.trial_id for m in report.members])
         self._note_checkpoints(session, live, report)
@@ -1337,6 +1421,40 @@ class Coordinator(StudyLifecycle):
             self._mirrors.pop(study.id, None)
 
 
+def split_plan(
+    remaining: Mapping[int, int], epoch_s: float, build_s: float, rate: Callable[[int], float], latency_s: float = 0.05
+) -> tuple[list[int], float]:
+    """Which members of a running array move to an idle device, and the seconds that saves.
+
+    ``remaining``: each member's epochs left after the one it trains now; ``epoch_s``: the
+    array's last epoch with these members (0: unknown); ``build_s``: the seconds its first
+    build took; ``rate(b)``: the class's models·steps/s in an array of ``b`` on this device
+    type (scheduler.ThroughputModel). Of the members that go on after this epoch, half
+    move, those with the most epochs left; each half then trains at the speed of its size.
+    A move costs the movers' checkpoints, their build and their resume (a build each, about)
+    and ``latency_s`` (a scheduling round, the new array's start: 30-60 ms on the 2-core box,
+    PostgreSQL included; ``Settings.move_latency_s``). Returns
+    ``([], 0.0)`` unless both halves are estimated to end at least _SPLIT_MIN_GAIN of the
+    time left sooner: the estimate is rough, and a move of little gain may lose.
+    """
+    size = len(remaining)
+    # Those on their last epoch end at this boundary: the split is of the others.
+    going_on = sorted((i for i in remaining if remaining[i] >= 1), key=lambda i: (-remaining[i], i))
+    k = len(going_on) // 2
+    if k < 1 or epoch_s <= 0 or rate(size) <= 0:
+        return [], 0.0
+    movers, stayers = going_on[:k], going_on[k:]
+
+    def epoch(b: int) -> float:  # the time of an epoch of b members, from the measured one
+        return epoch_s * (b / rate(b)) / (size / rate(size))
+
+    keep = remaining[going_on[0]] * epoch(len(going_on))
+    stay = remaining[stayers[0]] * epoch(len(stayers))
+    move = 3 * build_s * k / size + latency_s + remaining[movers[0]] * epoch(k)
+    saved = keep - max(stay, move)
+    return (movers, saved) if saved >= _SPLIT_MIN_GAIN * keep else ([], 0.0)
+
+
 def offer_plan(size: int, present: int, ends: Sequence[int], chain: bool = False) -> tuple[int, list[int]]:
     """Where an array of ``size`` places takes waiting trials of its class.
 
@@ -1415,3 +1533,4 @@ class _Live:
     near: set[int] = field(default_factory=set)  # members that came within the look-ahead
     unacked: int = 0  # recorded reports of a worker that does not wait, not acknowledged yet
     new_checkpoint: bool = False  # a recorded report named a checkpoint not acknowledged yet
+    last_epoch: tuple[float, int] = (0.0, 0)  # the last epoch's seconds (training to report) and its members

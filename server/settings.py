@@ -135,6 +135,13 @@ class Settings(BaseSettings):
         "before anything is measured (HFTA measures 0.04-0.1 for small models).",
     )
     lease_s: float = Field(360.0, ge=0, description="How long a placement is guaranteed before it may be revised.")
+    move_latency_s: float = Field(
+        0.05,
+        ge=0,
+        description="What moving members to an idle device is assumed to cost besides their builds (a "
+        "scheduling round, the new array's start). A device idle with nothing waiting takes half of "
+        "a running array's members when that is estimated to end them at least 25% sooner.",
+    )
     poll_interval_s: float = Field(0.2, gt=0, description="Period of the scheduling loop.")
     device_refresh_s: float = Field(10.0, gt=0, description="How often to look for new accelerators in the Ray cluster.")
     max_body_bytes: int = Field(

@@ -250,10 +250,12 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
         # which depends on how the database numbered earlier arrays.
         generator = torch.Generator().manual_seed(spec.seed + min(m.number for m in members))
         member_steps, steps, train_seconds = 0, 0, 0.0
-        timings["build_s"] += time.perf_counter() - clock
+        # In the first epoch's report: the control plane weighs moving members by it.
+        built = time.perf_counter() - clock
 
         while members:
             epoch = defaultdict(float)
+            epoch["build_s"], built = built, 0.0
             count = len(members)
             fused.train()
             clock = time.perf_counter()
@@ -399,7 +401,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
                 joined = [Joined(m.trial_id, e if s is not None else None) for m, e, s in zip(newcomers, new_epochs, new_states)]
                 members += newcomers
                 epochs_done += new_epochs
-            epoch["build_s"] = time.perf_counter() - clock
+            epoch["build_s"] += time.perf_counter() - clock
             for phase, seconds in epoch.items():
                 timings[phase] += seconds
 
