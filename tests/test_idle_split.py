@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import optuna
@@ -12,10 +11,11 @@ import sqlalchemy as sa
 
 from fusetune.server import service
 from fusetune.server.coordinator import Coordinator
-from fusetune.server.db import Array, Event, Study, StudyState, Trial, get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.db import Array, Event, Trial, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
 from fusetune.workers.pool import WorkerPool
+from tests.test_backfill import _step_until_complete
 from tests.test_training_choices import space
 
 pytestmark = pytest.mark.slow
@@ -53,11 +53,7 @@ def test_the_idle_device_takes_half_of_the_costlier_array_and_they_resume_there(
     try:
         coordinator = Coordinator(settings, pool)
         coordinator.setup()
-        deadline = time.monotonic() + 600
-        while _state(url, study_id) != StudyState.COMPLETE:
-            assert time.monotonic() < deadline, "the study did not complete"
-            coordinator.step()
-            coordinator._handle(pool.wait(0.5))
+        _step_until_complete(coordinator, pool, url, study_id)
     finally:
         pool.shutdown()
 
@@ -95,8 +91,3 @@ def _numbers(url: str, study_id: int) -> list[tuple[int, int]]:
     """(fusetune trial id, Optuna trial number) of the study's trials."""
     with get_sessionmaker(url)() as session:
         return [tuple(r) for r in session.execute(sa.select(Trial.id, Trial.number).where(Trial.study_id == study_id))]
-
-
-def _state(url: str, study_id: int) -> StudyState:
-    with get_sessionmaker(url)() as session:
-        return session.get(Study, study_id).state
