@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from fusetune.server.db import Event, utcnow
+from fusetune.server.db import Event, retry_disconnected, utcnow
 from fusetune.server.db.bulk import add_rows
 from fusetune.server.schemas import EventOut
 
@@ -189,10 +189,16 @@ async def stream(
     """
 
     def fetch(after: int | None) -> tuple[int, list[EventOut]]:
-        with sessions() as session:
-            if after is None:
-                return last_id(session), []
-            return after, read(session, after, as_tenant=as_tenant, study_id=study_id, kinds=kinds)
+        def once() -> tuple[int, list[EventOut]]:
+            with sessions() as session:
+                if after is None:
+                    return last_id(session), []
+                return after, read(session, after, as_tenant=as_tenant, study_id=study_id, kinds=kinds)
+
+        # ``sessions`` are the service's read sessions (autocommit, no pre-ping): a read is
+        # one round trip, where a pinged transaction was four. A sweep's end reaches its
+        # client through one. A connection that died is replaced and the read runs again.
+        return retry_disconnected(once, lambda: None)
 
     deadline = time.monotonic() + max_stream_s
     bell = _doorbell.subscribe(as_tenant, study_id, kinds) if follow else None

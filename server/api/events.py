@@ -61,7 +61,7 @@ def _respond(
 ) -> EventSourceResponse:
     settings = request.app.state.settings
     stream = events.stream(
-        request.app.state.sessions, after, as_tenant=as_tenant, study_id=study_id, follow=follow,
+        request.app.state.read_sessions, after, as_tenant=as_tenant, study_id=study_id, follow=follow,
         poll_interval_s=settings.events_poll_interval_s, max_stream_s=settings.events_max_stream_s,
         kinds={str(k) for k in kinds} if kinds else None,
     )
