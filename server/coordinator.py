@@ -1056,8 +1056,15 @@ class Coordinator(StudyLifecycle):
                     restore.append((live, live.epochs_done, dict(live.timings), dict(live.checkpoints), set(live.announced), dict(live.steps)))
                     decided.append(self._write_epoch(session, worker, report, live))
                 self._write_observed(session)
+                # A study whose last trials these epochs ended completes in the same
+                # transaction: its study.completed is committed with their trial.ended (one
+                # commit and one events write at a sweep's end, not two of each).
+                ending = {self._live[r.array_id].study_id for (_, r), (prune, _) in zip(reports, decided) if prune or any(m.state for m in r.members)}
+                completed = [i for i in sorted(ending) if self._complete_if_done(session, session.get(Study, i))]
                 session.commit()
                 self.reports_ingested += len(reports)
+                for study_id in completed:
+                    self._mirrors.pop(study_id, None)
             except Exception:
                 session.rollback()
                 for signature, device_type, members in [k for k, (_, _, new) in self._observed.items() if new]:
@@ -1067,16 +1074,6 @@ class Coordinator(StudyLifecycle):
                     self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
                     live.epochs_done, live.timings, live.checkpoints, live.announced, live.steps = before
                 raise
-            # A study whose last trials these epochs ended completes now, not a round later.
-            ended = {self._live[r.array_id].study_id for (_, r), (prune, _) in zip(reports, decided) if prune or any(m.state for m in r.members)}
-            for study_id in ended:
-                try:
-                    study = session.get(Study, study_id)
-                    if study is not None:
-                        self._maybe_complete(session, study)
-                except Exception:  # recorded already: the next round completes it
-                    session.rollback()
-                    log.warning("study %d: could not complete it with its last epoch", study_id, exc_info=True)
         replies: list[EpochReply | None] = []
         for (worker, report), (prune, awaiting) in zip(reports, decided):
             self._release_halted(worker, self._live[report.array_id], report, prune)
@@ -1405,8 +1402,16 @@ class Coordinator(StudyLifecycle):
         log.info("array %d ended: %s", spec.array_id, array.state.value)
 
     def _maybe_complete(self, session: Session, study: Study) -> None:
-        if study.state != StudyState.RUNNING:  # it failed in this step (its workload)
-            return
+        """End ``study`` (COMPLETE, or FAILED when every trial failed) once all its trials
+        have, in a transaction of its own."""
+        if self._complete_if_done(session, study):
+            session.commit()
+            self._mirrors.pop(study.id, None)
+
+    def _complete_if_done(self, session: Session, study: Study | None) -> bool:
+        """:meth:`_maybe_complete` in the caller's transaction: whether the study ended."""
+        if study is None or study.state != StudyState.RUNNING:  # it failed in this step (its workload)
+            return False
         counts = dict(
             session.execute(
                 select(Trial.state, func.count()).where(Trial.study_id == study.id).group_by(Trial.state)
@@ -1417,8 +1422,8 @@ class Coordinator(StudyLifecycle):
             study.state, study.completed_at = StudyState.COMPLETE, utcnow()
             self._fail_if_every_trial_failed(session, study, counts)
             events.record(session, "study.completed", tenant=study.tenant, study_id=study.id, trial_counts={s.value: n for s, n in counts.items()})
-            session.commit()
-            self._mirrors.pop(study.id, None)
+            return True
+        return False
 
 
 def split_plan(

@@ -106,13 +106,15 @@ def test_each_array_epoch_is_one_transaction_with_every_members_value(ray_cluste
     with get_sessionmaker(database_url)() as session:
         assert [(a.size, a.epochs_done) for a in session.scalars(select(Array))] == [(4, epochs)]
     # One transaction per array-epoch wrote intermediate values, fusetune's array row and the
-    # measured throughput; nothing else wrote while the array trained but its end and the study's.
+    # measured throughput; the last one also ended the study. Nothing else wrote while the
+    # array trained but its end.
     epoch_transactions = [w for w in writes.committed if "ft_arrays" in w and "ft_throughput" in w]
     assert len(epoch_transactions) == epochs, writes.committed
+    assert ["ft_studies" in w for w in epoch_transactions] == [False] * (epochs - 1) + [True], writes.committed
     if not database_url.startswith("postgresql"):
         # (PostgreSQL takes the values by COPY, which goes around SQLAlchemy's cursor hooks.)
         assert all("trial_intermediate_values" in w and "ft_events" in w for w in epoch_transactions), writes.committed
-    assert len(writes.committed) == epochs + 2, writes.committed
+    assert len(writes.committed) == epochs + 1, writes.committed
     # ...and those few transactions hold every member's value of every epoch.
     study = optuna.load_study(study_name="txn", storage=database_url)
     assert {t.state for t in study.trials} == {optuna.trial.TrialState.COMPLETE}
