@@ -411,14 +411,14 @@ class Coordinator(StudyLifecycle):
             # waits for it. While workers are idle, a study is asked one group at a time (one
             # array's worth of FusionSampler trials) and each group starts before the next is
             # asked: a sweep's first array starts after a group's asks, not after all of them.
-            self._dispatch(session)
+            self._dispatch(session, listed)
             asking = [s for s in studies if s.state == StudyState.RUNNING]
             while asking:
                 one_group = bool(self.pool.idle())
                 asking = [s for s in asking if self._ask_alone(session, s, one_group)]
                 if self.pool.idle():
                     # A device is kept for the groups still to come, not given to half of this one.
-                    self._dispatch(session, asking={s.id for s in asking})
+                    self._dispatch(session, listed, asking={s.id for s in asking})
             for study in studies:  # trials a search space rejected ended as they were asked
                 self._maybe_complete(session, study)
             if self._studies_running and self.pool.idle():
@@ -682,11 +682,13 @@ class Coordinator(StudyLifecycle):
         return ids
 
     # -- dispatching ---------------------------------------------------------------------------
-    def _dispatch(self, session: Session, asking: Collection[int] = ()) -> None:
+    def _dispatch(self, session: Session, listed: Sequence[Study], asking: Collection[int] = ()) -> None:
         """One scheduling round: the scheduler decides, arrays start on the idle devices it fills.
 
-        ``asking``: studies that this step asks more trials of next; an idle device their
-        classes do not need yet is kept for those (see :meth:`_spread_classes`).
+        ``listed``: the studies the step read (those still RUNNING are scheduled; a study
+        this step ended or failed is not). ``asking``: studies that this step asks more
+        trials of next; an idle device their classes do not need yet is kept for those (see
+        :meth:`_spread_classes`).
 
         The scheduler sees every unfinished trial, every device and the running arrays, and
         returns the placements fair across tenants (by weight) and across device types. A
@@ -701,7 +703,7 @@ class Coordinator(StudyLifecycle):
         # The columns a decision needs, not ORM trials (their params are JSON to decode):
         # a round reads every unfinished trial, and runs after every array-epoch that frees
         # a slot. The trials an array takes are loaded as objects (_trials).
-        studies = {s.id: s for s in session.scalars(select(Study).where(Study.state == StudyState.RUNNING))}
+        studies = {s.id: s for s in listed if s.state == StudyState.RUNNING}
         rows = [
             (t, studies[t.study_id])
             for t in session.execute(
@@ -1437,8 +1439,8 @@ def split_plan(
     type (scheduler.ThroughputModel). Of the members that go on after this epoch, half
     move, those with the most epochs left; each half then trains at the speed of its size.
     A move costs the movers' checkpoints, their build and their resume (a build each, about)
-    and ``latency_s`` (a scheduling round, the new array's start: 30-60 ms on the 2-core box,
-    PostgreSQL included; ``Settings.move_latency_s``). Returns
+    and ``latency_s`` (the rest: the wait for the boundary, a scheduling round, the new
+    array's start, both halves sharing the machine; ``Settings.move_latency_s``). Returns
     ``([], 0.0)`` unless both halves are estimated to end at least _SPLIT_MIN_GAIN of the
     time left sooner: the estimate is rough, and a move of little gain may lose.
     """
