@@ -136,10 +136,11 @@ class Settings(BaseSettings):
     )
     lease_s: float = Field(360.0, ge=0, description="How long a placement is guaranteed before it may be revised.")
     move_latency_s: float = Field(
-        0.05,
+        0.2,
         ge=0,
-        description="What moving members to an idle device is assumed to cost besides their builds (a "
-        "scheduling round, the new array's start). A device idle with nothing waiting takes half of "
+        description="What moving members to an idle device is assumed to cost besides their builds (the "
+        "wait for the array's boundary, a scheduling round, the new array's start). A device idle with "
+        "nothing waiting takes half of "
         "a running array's members when that is estimated to end them at least 25% sooner.",
     )
     poll_interval_s: float = Field(0.2, gt=0, description="Period of the scheduling loop.")
