@@ -132,21 +132,21 @@ def test_max_concurrent_trials_caps_the_trials_asked_and_not_finished(service: C
     assert most == 2 and in_flight == 0
 
 
-def test_idle_devices_get_each_group_as_soon_as_it_is_asked(service: Client) -> None:
+def test_idle_devices_get_one_group_each_asked_together(service: Client) -> None:
     """While devices are idle, a study is asked one FusionSampler group (one array's worth)
-    at a time, and each group starts on a device before the next is asked; the devices left
-    are kept for the groups to come, not given half of the first one."""
+    per idle device, all in one batch, and every group starts in that step, one array per
+    device: the slowest class's array, which the sweep ends with, waits for no later step."""
     wait_until(lambda: not service.arrays(state="RUNNING"), "the workers of earlier tests to be idle")
     devices = service.health()["workers"]
     study = service.create_study(
-        "digits-mlp", n_trials=2 * devices, epochs=1, name="per-group", search_space=SPACE, max_array_size=4,
+        "digits-mlp", n_trials=4 * devices, epochs=1, name="per-group", search_space=SPACE, max_array_size=4,
         sampler={"name": "RandomSampler", "kwargs": {"seed": 5}},
     )
-    assert service.wait(study["id"], timeout=300)["trial_counts"]["COMPLETE"] == 2 * devices
+    assert service.wait(study["id"], timeout=300)["trial_counts"]["COMPLETE"] == 4 * devices
     response = service._http.get(f"/api/v1/studies/{study['id']}/events", params={"after": 0, "follow": "false"})
     kinds = [e["event"] for e in events_of(response.text)]  # in the order they were committed
-    first_array = kinds.index("array.started")
-    asked_before = kinds[:first_array].count("trial.asked")
-    assert asked_before == 2  # the sweep's 2 x devices trials make groups of two, one per device
-    assert kinds[first_array:].count("trial.asked") == 2 * devices - 2
-    assert [a["size"] for a in service.arrays(study["id"])] == [2] * devices
+    # The sweep's 4 x devices trials make groups of four, one per device, all asked first...
+    assert kinds[: kinds.index("array.started")].count("trial.asked") == 4 * devices
+    # ...and an array of each started before any of them reported.
+    assert kinds[: kinds.index("trial.reported")].count("array.started") == devices
+    assert [a["size"] for a in service.arrays(study["id"])] == [4] * devices
