@@ -223,6 +223,28 @@ def test_brushing_and_filters_change_the_rows(service: Service, page: Any, shots
     drawer.wait_for(state="detached")
 
 
+def test_the_studies_filter_keeps_the_studies_it_names(service: Service, page: Any) -> None:
+    """The studies page's search box keeps the rows whose name, workload or tenant contains
+    its text (case aside), and an empty box shows every study again."""
+    pareto = service.study(PARETO)
+    studies = service.client.studies()  # what this token sees, as the page does
+
+    def matching(text: str) -> list[int]:
+        return sorted(s["id"] for s in studies if text.lower() in f"{s['name']} {s['workload']} {s['tenant']}".lower())
+
+    shown = (
+        "(ids) => JSON.stringify([...document.querySelectorAll('[data-testid=studies] tbody tr[data-study-id]')]"
+        ".map((t) => +t.dataset.studyId).sort((a, b) => a - b)) === JSON.stringify(ids)"
+    )
+    login(page, service)
+    page.wait_for_function(shown, arg=matching(""))
+    search = page.get_by_label("Filter studies")
+    for text in ("DASHBOARD-PARETO", "digits-mlp", studies[0]["tenant"], "no study has this in its name", ""):
+        search.fill(text)
+        page.wait_for_function(shown, arg=matching(text))
+    assert matching("DASHBOARD-PARETO") == [pareto] and matching("no study has this in its name") == []
+
+
 def test_arrays_timeline_shows_the_arrays_and_their_members(service: Service, page: Any) -> None:
     sweep = service.finished(SWEEP)
     arrays = service.client.arrays(sweep)
