@@ -746,21 +746,28 @@ class Coordinator(StudyLifecycle):
                 self._running[placement.device_id] = dataclasses.replace(current, lease_expires=placement.lease_expires)
         placements = self._spread_classes(decision.placements, idle, waiting, asking)
 
-        def epoch_s(p: Placement) -> float:  # an array's seconds per step, from its class's curve
+        starts = Counter(p.signature for p in placements if p.device_id in idle and any(i in waiting for i in p.trial_ids))
+        queued = Counter(_class_of(t) for t, _ in waiting.values())
+
+        def seconds(p: Placement) -> float:  # an array's time to train, in its class's steps, from the class's curve
             worker, ids = idle.get(p.device_id), [i for i in p.trial_ids if i in waiting]
             if worker is None or not ids:
                 return 0.0
             study = waiting[ids[0]][1]
-            b = min(len(ids), study.max_array_size or self.settings.max_array_size)
-            rate = self.scheduler.throughput.curve(p.signature, worker.device_type).rate(b)
+            limit = study.max_array_size or self.settings.max_array_size
+            curve = self.scheduler.throughput.curve(p.signature, worker.device_type)
+            # The size it starts with (below), not the scheduler's: two classes of one sweep
+            # start at their shares of the devices, whatever sizes the scheduler chose for them.
+            share = math.ceil(queued[p.signature] / max(1, starts[p.signature]))
+            b = max(min(len(p.trial_ids), limit), min(limit, share, curve.memory_cap(worker.memory_bytes)))
+            rate = curve.rate(b)
             return study.epochs * b / rate if rate > 0 else math.inf  # unmeasured: assumed slow
 
         # The slowest array first: a sweep ends with its slowest class, whose start waits for
         # every array started before it in this round (its rows, its commit, its submit).
-        placements = sorted(placements, key=epoch_s, reverse=True)
+        placements = sorted(placements, key=seconds, reverse=True)
         started = False
         topped: set[str] = set()
-        starts = Counter(p.signature for p in placements if p.device_id in idle and any(i in waiting for i in p.trial_ids))
         for placement in placements:
             ids = [i for i in placement.trial_ids if i in waiting]
             if not ids:
