@@ -265,12 +265,11 @@ def study_outs(session: Session, studies: Sequence[Study]) -> list[StudyOut]:
     outs = []
     single, multi = [], []
     for study in studies:
-        out = StudyOut.model_validate(study)
         oid = study.optuna_study_id
-        out.directions = [directions[oid][k].name.lower() for k in sorted(directions[oid])]
-        out.user_attrs = user_attrs.get(oid, {})
-        out.system_attrs = system_attrs.get(oid, {})
-        out.trial_counts = {state.value: counts[study.id].get(state.value, 0) for state in TrialState}
+        out = _study_out(
+            study, [directions[oid][k] for k in sorted(directions[oid])], user_attrs.get(oid, {}), system_attrs.get(oid, {}),
+            counts[study.id],
+        )
         if out.trial_counts[TrialState.COMPLETE.value]:
             (multi if len(out.directions) > 1 else single).append(study)
         outs.append(out)
@@ -280,6 +279,24 @@ def study_outs(session: Session, studies: Sequence[Study]) -> list[StudyOut]:
     for study_id, front in _pareto_fronts(session, multi, {s.id: directions[s.optuna_study_id] for s in multi}).items():
         by_id[study_id].best_trials = front
     return outs
+
+
+def new_study_out(study: Study, directions: Sequence[StudyDirection], system_attrs: Mapping[str, Any]) -> StudyOut:
+    """A study its transaction has just created, as :func:`study_outs` shows it, from what that
+    transaction wrote (no trials, no user attrs) and without a query: the answer to its POST
+    is built while the scheduling loop asks its first trials, in the same process."""
+    return _study_out(study, directions, {}, dict(system_attrs), {})
+
+
+def _study_out(
+    study: Study, directions: Sequence[StudyDirection], user_attrs: dict[str, Any], system_attrs: dict[str, Any],
+    counts: Mapping[str, int],
+) -> StudyOut:
+    out = StudyOut.model_validate(study)
+    out.directions = [d.name.lower() for d in directions]
+    out.user_attrs, out.system_attrs = user_attrs, system_attrs
+    out.trial_counts = {state.value: counts.get(state.value, 0) for state in TrialState}
+    return out
 
 
 def _best_trials(session: Session, studies: Sequence[Study]) -> dict[int, BestTrial]:

@@ -181,7 +181,9 @@ def create_study(
         raise Conflict("name", f"a study named {name!r} already exists") from exc
     if created is not None:
         created(study.id, CreatedStudy(optuna_study_id, name, tuple(optuna_directions), attrs))
-    return _study_out(session, url, study)
+    # From what was written, not read back: the loop is asking the first trials by now, and
+    # a read would take its time from theirs (the answer is the study as it was created).
+    return _finish_out(reads.new_study_out(study, optuna_directions, attrs), study)
 
 
 def _optuna_system_attrs(request: StudyCreate) -> dict[str, Any]:
@@ -244,11 +246,14 @@ def _study_outs(session: Session, url: str, studies: Sequence[Study]) -> list[St
     """The studies as the API shows them: counts, best trial or Pareto front, Optuna's
     directions and attrs in a few queries for all of them (``reads.study_outs``), then each
     one's objectives and training settings."""
-    outs = reads.study_outs(session, studies)
-    for study, out in zip(studies, outs, strict=True):
-        out.error = out.system_attrs.get(FAILURE_ATTR) if study.state == StudyState.FAILED else None
-        _training_out(out, study, TrainingSpec.from_json(out.system_attrs.get(TRAINING_ATTR)))
-    return outs
+    return [_finish_out(out, study) for study, out in zip(studies, reads.study_outs(session, studies), strict=True)]
+
+
+def _finish_out(out: StudyOut, study: Study) -> StudyOut:
+    """A study's failure, objectives and training settings on its ``StudyOut``, from its system attrs."""
+    out.error = out.system_attrs.get(FAILURE_ATTR) if study.state == StudyState.FAILED else None
+    _training_out(out, study, TrainingSpec.from_json(out.system_attrs.get(TRAINING_ATTR)))
+    return out
 
 
 def _training_out(out: StudyOut, study: Study, training: TrainingSpec) -> None:
