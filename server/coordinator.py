@@ -56,8 +56,8 @@ from fusetune.server.db import (
 )
 from fusetune.server import events
 from fusetune.server.lifecycle import STOPPING, StudyLifecycle
-from fusetune.server.db.bulk import add_updates
-from fusetune.server.db.revisions import next_revision, touch_trials
+from fusetune.server.db.bulk import add_updates, insert_returning, insert_rows
+from fusetune.server.db.revisions import inserting_trials, next_revision, touch_trials
 from fusetune.server.mirror import CreatedStudy, StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
@@ -677,9 +677,10 @@ class Coordinator(StudyLifecycle):
             rows.append(row)
         if not rows:
             return []
-        # One INSERT for the batch (the unit of work's flush of 64 trials cost more than
-        # their signatures); the revision hook stamps it like any trial write.
-        ids = list(session.execute(insert(Trial).returning(Trial.id, sort_by_parameter_order=True), rows).scalars())
+        # One statement for the batch (the unit of work's flush of 64 trials cost more than
+        # their signatures), stamped like any trial write.
+        inserting_trials(session)
+        ids = insert_returning(session, Trial.__table__, rows)
         for trial_id, row in zip(ids, rows, strict=True):
             where = {"tenant": study.tenant, "study_id": study.id, "trial_id": trial_id}
             events.record(session, "trial.asked", **where, number=row["number"], params=row["params"], state=row["state"].value)
@@ -1033,7 +1034,7 @@ class Coordinator(StudyLifecycle):
             insert(Array).returning(Array.id),
             [{"study_id": study.id, "signature": signature, "worker_id": self._worker_ids.get(worker.name), "node": worker.node_id or None}],
         ).scalar_one()
-        session.execute(insert(ArrayMember), [{"array_id": array_id, "slot": i, "trial_id": t.id} for i, t in enumerate(trials)])
+        insert_rows(session, ArrayMember.__table__, [{"array_id": array_id, "slot": i, "trial_id": t.id} for i, t in enumerate(trials)])
         now = utcnow()
         session.execute(  # the loaded trials are updated too (synchronize_session)
             update(Trial).where(Trial.id.in_([t.id for t in trials])).values(array_id=array_id, state=TrialState.RUNNING, started_at=now)

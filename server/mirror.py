@@ -38,10 +38,10 @@ from optuna.storages._rdb import models as rdb
 from optuna.study._tell import _tell_with_warning
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState as OptunaState
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from fusetune.server.db.bulk import add_rows, add_updates, insert_rows, write_pending
+from fusetune.server.db.bulk import add_rows, add_updates, insert_returning, insert_rows, write_pending
 
 __all__ = ["AskedTrial", "CreatedStudy", "StudyMirror"]
 
@@ -195,22 +195,16 @@ class StudyMirror:
         """
         if not frozens:
             return []
-        trials = rdb.TrialModel.__table__
-        ids = list(
-            session.execute(
-                insert(trials).returning(trials.c.trial_id, sort_by_parameter_order=True),
-                [
-                    {
-                        "number": f.number,
-                        "study_id": self._db_study_id,
-                        "state": f.state,
-                        "datetime_start": f.datetime_start,
-                        "datetime_complete": f.datetime_complete,
-                    }
-                    for f in frozens
-                ],
-            ).scalars()
-        )
+        ids = insert_returning(session, rdb.TrialModel.__table__, [
+            {
+                "number": f.number,
+                "study_id": self._db_study_id,
+                "state": f.state,
+                "datetime_start": f.datetime_start,
+                "datetime_complete": f.datetime_complete,
+            }
+            for f in frozens
+        ])
         params, system, user = [], [], []
         for trial_id, f in zip(ids, frozens, strict=True):
             for name, value in f.params.items():

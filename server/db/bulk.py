@@ -17,7 +17,13 @@ last epoch ends): one ``executemany`` per table and set of columns at the commit
 
 Values go through each column's own bind processing first (a JSON column's serialiser, an
 enum's name, :class:`~fusetune.server.db.models.UTCDateTime`), so a row reads back exactly
-as if the ORM had written it. Columns a row leaves out take their server defaults (the id).
+as if the ORM had written it. Columns a row leaves out take their defaults: the model's
+(``created_at``'s clock) and the server's (the id).
+
+:func:`insert_returning` is :func:`insert_rows` for new rows whose ids the caller needs (the
+trials a batch of asks adds to Optuna's table and to fusetune's): on PostgreSQL the ids are
+drawn from the key's sequence first and the rows then go in by ``COPY``, where an
+``INSERT ... RETURNING`` of 64 trials was four times as long (the same uncached parse).
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import JSON, Table, bindparam, event, insert, update
+from sqlalchemy import JSON, Table, bindparam, event, func, insert, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
-__all__ = ["add_rows", "add_updates", "insert_rows", "write_pending"]
+__all__ = ["add_rows", "add_updates", "insert_returning", "insert_rows", "write_pending"]
 
 #: Key, in ``Session.info``, of the rows :func:`add_rows` holds back: table -> rows, in order.
 _PENDING = "fusetune.bulk"
@@ -107,6 +113,38 @@ def _copy_processor(type_: Any, dialect: Any) -> Any:
     return type_._cached_bind_processor(dialect)
 
 
+def insert_returning(session: Session, table: Table, rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Insert ``rows`` (dicts with the same keys, column names, no id) into ``table``, whose
+    key is one integer column; returns their new ids, in the rows' order and increasing.
+
+    Increasing in the rows' order: Optuna's storage lists a study's trials by id, and takes
+    that order for their numbers'. Core statements, so no ORM hook sees them: a writer of
+    fusetune's trials takes their revision itself (:func:`~.revisions.inserting_trials`).
+    """
+    if not rows:
+        return []
+    (key,) = table.primary_key.columns
+    connection = session.connection()
+    if connection.dialect.name != "postgresql":
+        return list(connection.execute(insert(table).returning(key, sort_by_parameter_order=True), list(rows)).scalars())
+    sequence = func.pg_get_serial_sequence(table.fullname, key.name)
+    ids = sorted(connection.execute(select(func.nextval(sequence)).select_from(func.generate_series(1, len(rows)))).scalars())
+    insert_rows(session, table, [{key.name: i, **row} for i, row in zip(ids, rows, strict=True)])
+    return ids
+
+
+def _model_defaults(table: Table, names: Sequence[str]) -> dict[str, Any]:
+    """The model-side defaults (scalars and callables, as ``insert()`` applies them) of the
+    columns of ``table`` that are not among ``names``."""
+    defaults = {}
+    for column in table.columns:
+        default = column.default
+        if column.name in names or default is None or not (default.is_scalar or default.is_callable):
+            continue
+        defaults[column.name] = default.arg(None) if default.is_callable else default.arg
+    return defaults
+
+
 def insert_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]]) -> None:
     """Insert ``rows`` (dicts with the same keys, column names) into ``table``."""
     if not rows:
@@ -116,6 +154,9 @@ def insert_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]
     if dialect.name != "postgresql":
         connection.execute(insert(table), list(rows))
         return
+    defaults = _model_defaults(table, list(rows[0]))
+    if defaults:  # COPY knows only the server's: evaluated once for the batch
+        rows = [{**row, **defaults} for row in rows]
     names = list(rows[0])
     processors = [_copy_processor(table.c[name].type, dialect) for name in names]
     # Only the columns that have a processor are touched per row: an array-epoch's rows are

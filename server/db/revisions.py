@@ -21,7 +21,8 @@ it (the hooks below, on every Session):
   first, with the statement's own condition: under the counter's lock nothing else changes
   them in between) and ``insert(Trial)`` statements (every trial whose id is above the
   highest before the first insert of the transaction: no other transaction inserts trials
-  while this one holds the counter);
+  while this one holds the counter), and :func:`inserting_trials` for trial rows written
+  another way (``COPY``);
 * :func:`touch_trials`, for changes that live in Optuna's tables only: the control plane's
   ``_record_epoch`` touches every member it records an intermediate value for.
 
@@ -42,7 +43,7 @@ from sqlalchemy.orm import ORMExecuteState, Session, UOWTransaction
 
 from .models import Revision, Trial, TrialRevision
 
-__all__ = ["current_revision", "next_revision", "touch_trials"]
+__all__ = ["current_revision", "inserting_trials", "next_revision", "touch_trials"]
 
 #: Key of the transaction's revision in ``Session.info`` (cleared when the transaction ends).
 _INFO_KEY = "fusetune.revision"
@@ -110,6 +111,18 @@ def touch_trials(session: Session, trial_ids: Iterable[int]) -> None:
         session.info.setdefault(_TOUCHED_KEY, set()).update(ids)
 
 
+def inserting_trials(session: Session) -> None:
+    """Stamp every trial row this transaction adds from now on, as it commits.
+
+    What the hook does before an ``insert(Trial)`` statement, for writers that add trial rows
+    another way (``bulk.insert_returning``'s ``COPY``): the counter's lock first, then the
+    highest trial id before the transaction's first new trial.
+    """
+    next_revision(session)  # the counter's lock before any trial row is written
+    if _INSERTED_AFTER_KEY not in session.info:
+        session.info[_INSERTED_AFTER_KEY] = session.connection().execute(select(func.coalesce(func.max(_trials.c.id), 0))).scalar_one()
+
+
 def _stamp(session: Session, touched: set[int], created: dict[int, int], inserted_after: int | None) -> None:
     if not touched and not created and inserted_after is None:
         return
@@ -163,12 +176,11 @@ def _touch_statements(state: ORMExecuteState) -> None:
     if getattr(table, "name", None) != _trials.name:
         return
     session = state.session
+    if state.is_insert:
+        inserting_trials(session)
+        return
     next_revision(session)  # the counter's lock before the statement writes trial rows
     connection = session.connection()
-    if state.is_insert:
-        if _INSERTED_AFTER_KEY not in session.info:
-            session.info[_INSERTED_AFTER_KEY] = connection.execute(select(func.coalesce(func.max(_trials.c.id), 0))).scalar_one()
-        return
     where = state.statement.whereclause
     if where is None and isinstance(state.parameters, list):  # an ORM bulk update by primary key
         changing = [row["id"] for row in state.parameters]
