@@ -81,6 +81,18 @@ def test_a_pruned_members_slot_goes_to_a_waiting_trial_at_the_next_epoch_boundar
             assert trial.state.name == "COMPLETE" and sorted(trial.intermediate_values) == list(range(6))
 
 
+def run_by_hand(settings: Settings, study_id: int, name_prefix: str) -> None:
+    """Step a new scheduling loop by hand, on ``settings.cpu_workers`` CPU workers of its own,
+    until the study is COMPLETE."""
+    pool = WorkerPool(cpu_workers=settings.cpu_workers, name_prefix=name_prefix)
+    try:
+        coordinator = Coordinator(settings, pool)
+        coordinator.setup()
+        _step_until_complete(coordinator, pool, settings.database_url, study_id)
+    finally:
+        pool.shutdown()
+
+
 def _step_until_complete(coordinator: Coordinator, pool: WorkerPool, url: str, study_id: int) -> None:
     deadline = time.monotonic() + 300
     while _state(url, study_id) != StudyState.COMPLETE:
@@ -114,13 +126,7 @@ def test_an_array_of_one_goes_on_with_the_next_trial_where_its_member_leaves(ray
             sampler={"name": "RandomSampler", "kwargs": {"seed": 0}},
             pruner={"name": "ThresholdPruner", "kwargs": {"lower": -1.0}},
         )).id
-    pool = WorkerPool(cpu_workers=1, name_prefix="chain")
-    try:
-        coordinator = Coordinator(settings, pool)
-        coordinator.setup()
-        _step_until_complete(coordinator, pool, url, study_id)
-    finally:
-        pool.shutdown()
+    run_by_hand(settings, study_id, "chain")
     with get_sessionmaker(url)() as session:
         (array,) = session.scalars(sa.select(Array).where(Array.study_id == study_id)).all()
         size, epochs = array.size, array.epochs_done

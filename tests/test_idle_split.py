@@ -10,12 +10,10 @@ import pytest
 import sqlalchemy as sa
 
 from fusetune.server import service
-from fusetune.server.coordinator import Coordinator
 from fusetune.server.db import Array, Event, Trial, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
-from fusetune.workers.pool import WorkerPool
-from tests.test_backfill import _step_until_complete
+from tests.test_backfill import run_by_hand
 from tests.test_training_choices import space
 
 pytestmark = pytest.mark.slow
@@ -49,13 +47,7 @@ def test_the_idle_device_takes_half_of_the_costlier_array_and_they_resume_there(
             sampler={"name": "RandomSampler", "kwargs": {"seed": 0}},  # its groups: 512 wide, then 16
             pruner={"name": "ThresholdPruner", "kwargs": {"lower": -1.0}},
         )).id
-    pool = WorkerPool(cpu_workers=2, name_prefix="split")
-    try:
-        coordinator = Coordinator(settings, pool)
-        coordinator.setup()
-        _step_until_complete(coordinator, pool, url, study_id)
-    finally:
-        pool.shutdown()
+    run_by_hand(settings, study_id, "split")
 
     with get_sessionmaker(url)() as session:
         arrays = session.execute(

@@ -9,14 +9,12 @@ import pytest
 import sqlalchemy as sa
 
 from fusetune.server import service
-from fusetune.server.coordinator import Coordinator
 from fusetune.server.db import Array, Throughput, Trial, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
 from fusetune.server.signatures import trial_signature
-from fusetune.workers.pool import WorkerPool
 from fusetune.workers.workloads import get_workload
-from tests.test_backfill import _step_until_complete
+from tests.test_backfill import run_by_hand
 from tests.test_training_choices import space
 
 pytestmark = pytest.mark.slow
@@ -51,13 +49,7 @@ def test_the_slowest_class_starts_first_whatever_size_the_scheduler_chose(ray_cl
             sampler={"name": "RandomSampler", "kwargs": {"seed": seed}},
         )).id
         session.commit()
-    pool = WorkerPool(cpu_workers=2, name_prefix="order")
-    try:
-        coordinator = Coordinator(settings, pool)
-        coordinator.setup()
-        _step_until_complete(coordinator, pool, url, study_id)
-    finally:
-        pool.shutdown()
+    run_by_hand(settings, study_id, "order")
 
     with get_sessionmaker(url)() as session:
         arrays = session.execute(
