@@ -67,11 +67,18 @@ def test_pages_follow_a_live_sweep(service: Service, page: Any, browser: Any) ->
 
     # The study page, in a second tab opened from the first (it gets a copy of the session
     # storage, so the token, as a browser's "open in new tab" does), while the trials train.
+    listings: list[str] = []  # every request of the new tab for the study's trials list
+
+    def listing(request: Any) -> None:
+        if f"/studies/{study_id}/trials" in request.url and request.frame.page is not page:
+            listings.append(request.url)
+
+    # On the context, before the tab opens: a listener on the new page itself came too late for
+    # its first request when the page loaded fast.
+    page.context.on("request", listing)
     with page.context.expect_page() as opened:
         page.evaluate("(url) => window.open(url)", f"{service.url}/#/studies/{study_id}/progress")
     study_page = opened.value
-    listings: list[str] = []  # every request for the study's trials list
-    study_page.on("request", lambda r: listings.append(r.url) if f"/studies/{study_id}/trials" in r.url else None)
     study_page.wait_for_selector("[data-testid=n-complete]")
     study_page.evaluate("window.__noReload = true")
     started_with = int(study_page.inner_text("[data-testid=n-complete]")) + int(study_page.inner_text("[data-testid=n-pruned]"))
