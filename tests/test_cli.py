@@ -37,7 +37,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
 
 
 def create(server: Server, capsys: pytest.CaptureFixture[str], name: str, *args: str) -> dict:
-    assert main(["tenants", "create", name, *args, "--url", server.url, "--token", server.admin_token]) == 0
+    assert main(["tenants", "create", name, *args, "--url", server.url, f"--token={server.admin_token}"]) == 0
     out = capsys.readouterr()
     assert "shown only this once" in out.err
     return json.loads(out.out)
@@ -76,12 +76,12 @@ def test_the_token_comes_from_the_environment(
 def test_rejected_submission_says_why(server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sweep = tmp_path / "bad.json"
     sweep.write_text(json.dumps({"workload": "digits-cnn", "n_trials": 0}))
-    assert main(["submit", str(sweep), "--url", server.url, "--token", server.admin_token]) == 2
+    assert main(["submit", str(sweep), "--url", server.url, f"--token={server.admin_token}"]) == 2
     assert "n_trials" in capsys.readouterr().err
 
 
 def test_tenants_over_the_api(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
-    rest = ["--url", server.url, "--token", server.admin_token]
+    rest = ["--url", server.url, f"--token={server.admin_token}"]
     created = create(server, capsys, "acme", "--weight", "2", "--max-trials-per-study", "50", "--label", "ci")
     assert created["tenant"] == {"name": "acme", "weight": 2.0, "max_running_studies": None, "max_trials_per_study": 50}
     assert created["token"]["label"] == "ci" and created["token"]["token"].startswith("ft_")
