@@ -318,7 +318,7 @@ def _local_tenant_token(admin: Client) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=get_settings().log_level, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="fusetune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     default_url = f"http://{get_settings().host}:{get_settings().port}"

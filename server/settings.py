@@ -36,6 +36,11 @@ class Settings(BaseSettings):
         "may act on every tenant's resources; at least 16 characters. Unset: no admin over HTTP "
         "(`fusetune tenants ... --database` manages tenants directly; `fusetune demo` makes one up).",
     )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING",
+        description="Level of the service's own log (Python's logging names): INFO adds each array's "
+        "start and end, the place to look when a sweep stalls.",
+    )
     allow_workload_imports: bool = Field(
         False,
         description="Accept studies whose workload is a `package.module:attr` import path (the server "

@@ -86,14 +86,18 @@ def record(fault: str, **row: Any) -> None:
     (RESULTS / f"{slug}.json").write_text(json.dumps({"fault": fault, **row}, indent=1, sort_keys=True))
 
 
-def wait_until(done: Callable[[], Any], what: str, timeout: float = 180.0, poll: float = 0.1) -> Any:
-    """Poll ``done`` until it returns something true; that is returned."""
+def wait_until(
+    done: Callable[[], Any], what: str, timeout: float = 180.0, poll: float = 0.1, explain: Callable[[], str] | None = None
+) -> Any:
+    """Poll ``done`` until it returns something true; that is returned. On a timeout the failure
+    ends with what ``explain`` says (a service's log, say)."""
     deadline = time.monotonic() + timeout
     while True:
         value = done()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f"\n{explain()}" if explain else ""))
         time.sleep(poll)
 
 
@@ -182,6 +186,11 @@ class ServiceProcess:
             return health if (health.get("workers", 0) > 0 or not workers) else None
 
         return wait_until(check, f"the service at {self.url}", timeout=timeout, poll=0.3)
+
+    def log_tail(self, lines: int = 80) -> str:
+        """The end of the service's log, for a failure message."""
+        text = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
+        return f"the end of {self.log_path}:\n" + "\n".join(text[-lines:])
 
     def token(self) -> str:
         from fusetune.client import Client

@@ -36,6 +36,7 @@ def env_for(url: str, artifacts: Path) -> dict[str, str]:
         "FUSETUNE_MAX_ARRAY_SIZE": "4",
         "FUSETUNE_CHECKPOINT_INTERVAL_S": "0",
         "FUSETUNE_LEADER_POLL_S": "0.5",
+        "FUSETUNE_LOG_LEVEL": "INFO",  # arrays' starts and ends: what a failed wait below prints
     }
 
 
@@ -92,7 +93,8 @@ def test_the_whole_service_killed_with_sigkill_resumes_from_checkpoints(tmp_path
 
         second.start().healthy()
         with Client(second.url, token=second.token()) as client:
-            wait_until(lambda: resumed(client, sid, set(durable)), "the members to resume after the restart", 240)
+            wait_until(lambda: resumed(client, sid, set(durable)), "the members to resume after the restart", 240,
+                       explain=second.log_tail)
             recovered = time.monotonic() - hit
             done = client.wait(sid, timeout=300)
         assert done["trial_counts"].get("COMPLETE") == 4, done["trial_counts"]
@@ -128,7 +130,8 @@ def test_a_standby_server_serves_reads_and_takes_over_when_the_scheduler_dies(da
             hit = time.monotonic()
             stored = reported_steps(url, name)
             standby.healthy()  # it took the lock and started its workers
-            wait_until(lambda: resumed(reader, sid, set(durable)), "the members to resume on the new scheduler", 240)
+            wait_until(lambda: resumed(reader, sid, set(durable)), "the members to resume on the new scheduler", 240,
+                       explain=standby.log_tail)
             recovered = time.monotonic() - hit
             done = reader.wait(sid, timeout=300)
         assert done["trial_counts"].get("COMPLETE") == 4, done["trial_counts"]

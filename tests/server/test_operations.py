@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import optuna
+import pydantic
 import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +21,7 @@ from sqlalchemy.engine import make_url
 
 from fusetune.client import Client
 from fusetune.server import events
+from fusetune.server.settings import Settings
 from fusetune.server.db import Array, ArrayMember, ArrayState, Event, Study, StudyState, Trial, TrialState, get_engine, get_optuna_storage, get_read_engine, get_sessionmaker, utcnow
 from tests.conftest import POSTGRES_ENV
 from tests.server.conftest import LiveApi, live_api
@@ -430,7 +432,6 @@ def test_a_connection_pool_busy_for_its_whole_timeout_is_a_503_with_retry_after(
     from starlette.requests import Request
 
     from fusetune.server.app import create_app
-    from fusetune.server.settings import Settings
 
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'pool.db'}"), schedule=False)
     small = sa.create_engine(f"sqlite:///{tmp_path / 'pool.db'}", pool_size=1, max_overflow=0, pool_timeout=0.05)
@@ -442,3 +443,12 @@ def test_a_connection_pool_busy_for_its_whole_timeout_is_a_503_with_retry_after(
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
     assert json.loads(response.body)["detail"].startswith("the server is overloaded: QueuePool limit")
+
+
+def test_an_unknown_log_level_is_refused_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSETUNE_LOG_LEVEL takes Python's level names; anything else fails, naming the setting."""
+    monkeypatch.setenv("FUSETUNE_LOG_LEVEL", "LOUD")
+    with pytest.raises(pydantic.ValidationError, match="log_level"):
+        Settings()
+    monkeypatch.setenv("FUSETUNE_LOG_LEVEL", "INFO")
+    assert Settings().log_level == "INFO"
