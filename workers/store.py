@@ -8,10 +8,29 @@ from wherever the user is. The control plane never looks into the store; it lear
 checkpoints from the workers' reports (``workers.spec.MemberReport.checkpoint_epoch``).
 
 Keys are ``/``-separated paths under the store's root, e.g. ``<study>/checkpoints/trial-3.pt``.
+
+A write is whole and durable once :meth:`ArtifactStore.write` returns, so a worker may report
+what it wrote (a checkpoint the control plane will resume from) as soon as the call is back:
+
+* a local filesystem (a plain path, or ``file://``): the bytes go to a temporary file beside
+  the target, which is flushed and ``fsync``-ed, renamed over the target (``os.replace``:
+  readers see the old file or the new one), and the folder is ``fsync``-ed so that the rename
+  itself survives a power loss (where the filesystem can sync a folder; some network
+  filesystems cannot, and say so with ``EINVAL``: their own close-to-open semantics apply);
+* object stores (``s3://``, ``gs://``): one upload. The object becomes visible only once its
+  upload completed (a multipart upload at its completion), and the store acknowledges an
+  upload only after it stored the object redundantly; reads after that see it (S3 and GCS
+  are strongly consistent). There are no renames, and none is needed;
+* any other ``pyarrow.fs`` filesystem (``hdfs://``, ``mock://``, fsspec wrappers): a
+  temporary file, closed, then moved over the target. On HDFS the close returns once every
+  DataNode of the pipeline has acknowledged the blocks (held in their memory; on disk only
+  with ``dfs.datanode.synconclose``) and the rename is atomic and logged by the NameNode.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import os
 import uuid
@@ -23,6 +42,10 @@ import pyarrow.fs as pafs
 import torch
 
 __all__ = ["ArtifactStore", "get_store"]
+
+#: pyarrow.fs filesystems whose uploads are atomic: an object appears whole when its upload
+#: completes and never before, so a write needs no temporary object (nor a copy to rename it).
+ATOMIC_UPLOADS = frozenset({"s3", "gcs"})
 
 
 class ArtifactStore:
@@ -48,16 +71,17 @@ class ArtifactStore:
         return f"{scheme}://{self._path(key).lstrip('/') if scheme != 'file' else self._path(key)}"
 
     def write(self, key: str, data: bytes) -> None:
-        """Write ``data`` at ``key`` as a whole: a reader sees the old object or the new one, never half.
-
-        Local filesystems write a temporary file and rename it; object stores make an object
-        visible only once its upload is complete.
-        """
+        """Write ``data`` at ``key`` as a whole and durably: a reader sees the old object or the
+        new one, never half, and once this returns the new one survives a crash (the module
+        docstring says how, per kind of filesystem)."""
         path = self._path(key)
+        if self.local:
+            _write_local(path, data)
+            return
         parent = path.rsplit("/", 1)[0]
         if parent:
             self.fs.create_dir(parent, recursive=True)
-        target = f"{path}.tmp-{uuid.uuid4().hex[:8]}" if self.local else path
+        target = path if self.fs.type_name in ATOMIC_UPLOADS else f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         with self.fs.open_output_stream(target) as out:
             out.write(data)
         if target != path:
@@ -105,6 +129,59 @@ class ArtifactStore:
         if data is None:
             return None
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _write_local(path: str, data: bytes) -> None:
+    """Temporary file, flush, fsync, rename over ``path``, fsync the folder (module docstring)."""
+    folder = os.path.dirname(path)
+    _make_dirs(folder)
+    temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    # 0o666 less the umask, as the files pyarrow wrote before: every node's workers read them.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())  # the bytes are on disk before the name points at them
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    _fsync_dir(folder)  # the rename itself
+
+
+def _make_dirs(folder: str) -> None:
+    """``os.makedirs``, each new folder's entry synced in its parent: a checkpoint whose folder
+    was created just before it would otherwise be lost with the folder's entry."""
+    missing = []
+    at = folder
+    while at and not os.path.isdir(at):
+        missing.append(at)
+        parent = os.path.dirname(at)
+        if parent == at:
+            break
+        at = parent
+    if not missing:
+        return
+    os.makedirs(folder, exist_ok=True)
+    for created in reversed(missing):
+        _fsync_dir(os.path.dirname(created))
+
+
+def _fsync_dir(folder: str) -> None:
+    """``fsync`` a folder (its entries: a rename, a new file); a no-op where the filesystem or
+    the platform cannot sync one (EINVAL, ENOTSUP, or no O_DIRECTORY, as on Windows)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 @lru_cache(maxsize=16)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import time
 import traceback
 from collections import defaultdict, deque
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 import fusetune.fusion as fusion
-from fusetune.workers.checkpoints import CheckpointWriter, checkpoint_dir, load_checkpoint, saved_epochs
+from fusetune.workers.checkpoints import CheckpointWriter, UnreadableCheckpoint, checkpoint_dir, load_checkpoint, saved_epochs
 from fusetune.workers.optimization import ArrayOptimizer, Recipe, optimizer_kwargs, resolve
 from fusetune.workers.spec import (
     ArrayOutcome,
@@ -27,8 +28,10 @@ from fusetune.workers.spec import (
     MemberSpec,
     TrainingSpec,
 )
-from fusetune.workers.store import get_store
+from fusetune.workers.store import ArtifactStore, get_store
 from fusetune.workers.workloads import Metric, Workload, get_workload
+
+log = logging.getLogger(__name__)
 
 __all__ = ["build_models", "objectives", "optimizer_kwargs", "probe_solo_speed", "recipes", "train_array"]
 
@@ -75,35 +78,88 @@ def resume_members(
 
     A member resumes from the checkpoint its ``resume_epoch`` names (the one the control
     plane recorded), or, when that is None, from its newest one in the store; 0 starts it
-    from scratch. Returns each member's epochs done (0 when starting fresh) and its
+    from scratch. A member whose checkpoint cannot be read (truncated, corrupt, missing)
+    resumes from its newest older one that can, else from scratch: that member alone, the
+    array trains on. Returns each member's epochs done (0 when starting fresh) and its
     (optimizer, schedules) states to load once the array's optimizer exists (None when fresh).
     """
     epochs: list[int] = []
     states: list[tuple[dict[str, Any], dict[str, Any]] | None] = []
     for member, model in zip(members, models, strict=True):
-        folder, ckpt = _checkpoint_of(spec, member), None
+        folder = _checkpoint_of(spec, member)
+        found = None
         if folder is not None and member.resume_epoch != 0:
-            store = get_store(spec.artifact_dir)
-            at = member.resume_epoch
-            if at is None:
-                found = saved_epochs(store, folder)
-                at = found[-1] if found else None
-            ckpt = load_checkpoint(store, f"{folder}/{at}.pt") if at is not None else None
-        if ckpt is None:
+            found = _restore(get_store(spec.artifact_dir), folder, member, model)
+        if found is None:
             epochs.append(0)
             states.append(None)
             continue
-        model.load_state_dict(ckpt["model"], strict=True)
-        epochs.append(int(ckpt["epochs_done"]))
-        states.append((ckpt["optimizer"], ckpt.get("schedules") or {}))
+        epochs.append(found[0])
+        states.append(found[1])
     return epochs, states
+
+
+def _restore(
+    store: ArtifactStore, folder: str, member: MemberSpec, model: nn.Module
+) -> tuple[int, tuple[dict[str, Any], dict[str, Any]]] | None:
+    """Load into ``model`` the newest usable checkpoint of ``member`` at or before the one it
+    resumes from; its epochs done and (optimizer, schedules) states, or None: none is usable."""
+    for at in _fallbacks(store, folder, member.resume_epoch):
+        try:
+            checkpoint = load_checkpoint(store, f"{folder}/{at}.pt")
+            if checkpoint is None:
+                raise UnreadableCheckpoint("it is missing")
+            _check_fits(checkpoint, at, model)
+        except UnreadableCheckpoint as exc:
+            log.warning("trial %d's checkpoint at epoch %d in %s cannot be used (%s)", member.number, at, folder, exc)
+            continue
+        model.load_state_dict(checkpoint["model"], strict=True)
+        return at, (checkpoint["optimizer"], checkpoint.get("schedules") or {})
+    return None
+
+
+def _fallbacks(store: ArtifactStore, folder: str, wanted: int | None) -> Iterator[int]:
+    """The epochs to try a member's checkpoints at, in order: ``wanted`` (the recorded one),
+    then the store's checkpoints older than it (every one when None), newest first."""
+    if wanted is not None:
+        yield wanted
+    # Listed only when the recorded one failed: a listing is a round trip on an object store.
+    yield from sorted((e for e in saved_epochs(store, folder) if wanted is None or e < wanted), reverse=True)
+
+
+def _check_fits(checkpoint: dict[str, Any], at: int, model: nn.Module) -> None:
+    """Raises UnreadableCheckpoint unless ``checkpoint`` is the one after ``at`` epochs and
+    holds exactly ``model``'s tensors, shapes included: loading it can then not fail half way."""
+    if checkpoint["epochs_done"] != at:
+        raise UnreadableCheckpoint(f"it says {checkpoint['epochs_done']} epochs done, its name {at}")
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    saved = {k: tuple(v.shape) for k, v in checkpoint["model"].items() if isinstance(v, torch.Tensor)}
+    if saved != expected or len(saved) != len(checkpoint["model"]):
+        raise UnreadableCheckpoint("its weights are not this member's model's (names or shapes differ)")
+
+
+def _joined(
+    members: Sequence[MemberSpec], epochs: Sequence[int], states: Sequence[Any]
+) -> list[Joined]:
+    """What a report says of members that just started: the epoch each really resumed at.
+
+    A member that was to resume from a checkpoint and restarts from scratch (none of its
+    checkpoints could be read) says 0, so the control plane drops its stored values from
+    step 0 on, as it drops them from an older checkpoint's epoch for a member that fell back.
+    """
+    return [
+        Joined(m.trial_id, e if s is not None else (0 if m.resume_epoch else None))
+        for m, e, s in zip(members, epochs, states, strict=True)
+    ]
 
 
 def _resumed(
     writer: CheckpointWriter, spec: ArraySpec, members: Sequence[MemberSpec], epochs: Sequence[int], states: Sequence[Any]
 ) -> None:
     """The checkpoints members resumed from are in the store already: reports may name them.
-    Others of theirs (a dead array's, trained past what the control plane recorded) go."""
+    Newer ones of theirs (a dead array's, trained past what the control plane recorded, or
+    unreadable) go; of the older ones the newest stays, the fallback of the next resume.
+    A member that starts from scratch has none left."""
     if spec.artifact_dir is None:
         return
     for member, done, state in zip(members, epochs, states, strict=True):
@@ -244,7 +300,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
         fused = fusion.fuse(models).to(device)
         optim = ArrayOptimizer(fused, recipes(workload, spec.training, members), device)
         _load_states(optim, 0, states)
-        joined = [Joined(m.trial_id, e if s is not None else None) for m, e, s in zip(members, epochs_done, states)]
+        joined = _joined(members, epochs_done, states)
         batch_size = workload.batch_size_for(members[0].params)
         # The data order is the array's members' (the first's number), not the array id's,
         # which depends on how the database numbered earlier arrays.
@@ -398,7 +454,7 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
                     fused = fusion.fuse(models).to(device)
                     optim = ArrayOptimizer(fused, recipes(workload, spec.training, newcomers), device)
                 _load_states(optim, len(members), new_states)
-                joined = [Joined(m.trial_id, e if s is not None else None) for m, e, s in zip(newcomers, new_epochs, new_states)]
+                joined = _joined(newcomers, new_epochs, new_states)
                 members += newcomers
                 epochs_done += new_epochs
             epoch["build_s"] += time.perf_counter() - clock

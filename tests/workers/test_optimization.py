@@ -18,6 +18,7 @@ import torch
 
 from fusetune.server.signatures import trial_signature
 from fusetune.workers.actor import ArrayWorker
+from fusetune.workers.checkpoints import load_checkpoint
 from fusetune.workers.optimization import (
     LR_SCHEDULERS,
     OPTIMIZERS,
@@ -26,6 +27,7 @@ from fusetune.workers.optimization import (
     optimizer_arguments,
     resolve,
 )
+from fusetune.workers.store import ArtifactStore
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
 from fusetune.workers.training import Inbox, train_array
 from fusetune.workers.workloads import get_workload
@@ -219,7 +221,7 @@ def test_a_preempted_member_resumes_its_schedule_from_its_checkpoint(tmp_path: P
     inbox.release(first.array_id, [100])
     _, outcome = run(first, inbox)
     assert outcome.released == [100] and outcome.epochs_done == 1
-    checkpoint = torch.load(tmp_path / "study" / "checkpoints" / "trial-0" / "1.pt", weights_only=True)
+    checkpoint = load_checkpoint(ArtifactStore(tmp_path), "study/checkpoints/trial-0/1.pt")
     assert set(checkpoint["schedules"]) == {"warmup", "lr_scheduler"}
 
     reports, outcome = run(spec_of(tmp_path, [params], epochs=3, seed=4, array_id=2, training=training))

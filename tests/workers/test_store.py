@@ -1,6 +1,6 @@
 """The artifact store on a local directory and on a filesystem that is not local (pyarrow's
-in-memory ``mock://``, which has no renames, as object stores have none), and the checkpoint
-folders a worker keeps in it."""
+in-memory ``mock://``, written through a temporary file and a move, as HDFS is), and the
+checkpoint folders a worker keeps in it."""
 
 from __future__ import annotations
 
