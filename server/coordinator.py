@@ -18,8 +18,9 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 import optuna
@@ -61,7 +62,7 @@ from fusetune.server.db.revisions import inserting_trials, next_revision, touch_
 from fusetune.server.mirror import CreatedStudy, StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
-from fusetune.server.service import Conflict
+from fusetune.server.service import Conflict, Unavailable
 from fusetune.server.settings import Settings, artifact_uri
 from fusetune.server.signatures import trial_signature
 from fusetune.workers.pool import Event, WorkerHandle, WorkerPool
@@ -218,6 +219,9 @@ class Coordinator(StudyLifecycle):
         self.sessions = get_loop_sessionmaker(self.url)
         self.storage = get_optuna_storage(self.url)
         self._mirrors: dict[int, StudyMirror] = {}  # fusetune study id -> its Optuna study, in memory
+        # Study id -> Optuna trial ids whose mirrored state ran ahead of a transaction that
+        # rolled back: read again before the mirror is next used (StudyMirror.reload_trials).
+        self._stale: dict[int, set[int]] = {}
         # Studies created in this process, not mirrored yet: their Optuna rows, and when (adopt).
         self._created: dict[int, tuple[CreatedStudy, float]] = {}
         self._created_lock = threading.Lock()
@@ -306,14 +310,25 @@ class Coordinator(StudyLifecycle):
             self._created[study_id] = (created, now)
         self.wake()
 
-    def call(self, fn: Callable[[], _T], timeout: float = 60.0) -> _T:
-        """Run ``fn`` on the loop thread, which owns the studies' mirrors, and return its result."""
+    def call(self, fn: Callable[[], _T], timeout: float | None = None) -> _T:
+        """Run ``fn`` on the loop thread, which owns the studies' mirrors, and return its result.
+
+        Raises:
+            service.Unavailable: the loop did not take ``fn`` up within ``timeout`` seconds
+                (``FUSETUNE_LOOP_CALL_TIMEOUT_S``); ``fn`` is withdrawn and never runs, so
+                a request answered 503 changed nothing. One the loop has begun is waited for.
+        """
         if self._thread is None or not self._thread.is_alive():
             return fn()  # no loop (tests drive step() themselves): this thread is the only one
         future: Future[_T] = Future()
         self._inbox.put((fn, future))
         self._wake.set()
-        return future.result(timeout)
+        try:
+            return future.result(self.settings.loop_call_timeout_s if timeout is None else timeout)
+        except FutureTimeout:
+            if not future.cancel():
+                return future.result()  # the loop is running it: its answer is the request's
+            raise Unavailable("the scheduling loop is busy and did not take this request up; nothing was done") from None
 
     def _run_inbox(self) -> None:
         while True:
@@ -321,6 +336,8 @@ class Coordinator(StudyLifecycle):
                 fn, future = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller stopped waiting and was told nothing was done
             try:
                 future.set_result(fn())
             except BaseException as exc:  # the caller's thread raises it
@@ -565,7 +582,23 @@ class Coordinator(StudyLifecycle):
             with self._created_lock:
                 created, _ = self._created.pop(study.id, (None, 0.0))
             self._mirrors[study.id] = StudyMirror(self.storage, study.optuna_study_id, sampler, pruner, created=created)
-        return self._mirrors[study.id]
+            self._stale.pop(study.id, None)  # loaded whole: nothing of it is stale
+        return self._fresh(study.id)
+
+    def _fresh(self, study_id: int) -> StudyMirror:
+        """The study's mirror, its stale trials read again first."""
+        mirror = self._mirrors[study_id]
+        stale = self._stale.get(study_id)
+        if stale:
+            mirror.reload_trials(self.storage, stale)  # a database error leaves them stale, to retry
+            del self._stale[study_id]
+        return mirror
+
+    def _mark_stale(self, study_id: int, optuna_trial_ids: Iterable[int]) -> None:
+        """A transaction that changed these trials in the study's mirror rolled back: they are
+        read again before the mirror is next used; the rest of the mirror stays."""
+        if study_id in self._mirrors:
+            self._stale.setdefault(study_id, set()).update(optuna_trial_ids)
 
     def _training_of(self, study: Study) -> TrainingSpec:
         """The study's optimizer, schedule, clipping, AMP and objectives, as its request set them.
@@ -1043,7 +1076,8 @@ class Coordinator(StudyLifecycle):
         events.record(session, "array.started", **where, trial_ids=[t.id for t in trials], worker=worker.name, signature=signature)
         for t in trials:
             events.record(session, "trial.started", **where, trial_id=t.id, number=t.number, resumed_at_epoch=None)
-        session.commit()
+        # Everything that can raise comes before the commit: RUNNING trials committed with an
+        # array that never starts would be orphans until a restart re-queued them.
         spec = ArraySpec(
             array_id=array_id,
             signature=_class_of(trials[0]),
@@ -1060,13 +1094,35 @@ class Coordinator(StudyLifecycle):
             probe_solo=len(trials) > 1 and 1 not in self._points.get((signature, worker.device_type), {}),
             prunes=study.pruner is not None or study.driver == "client",
             training=self._training_of(study),
+            reply_timeout_s=self.settings.prune_reply_timeout_s,
         )
+        session.commit()
+        try:
+            self.pool.submit(worker, spec)
+        except Exception as exc:
+            self._unstart(study, array_id, [t.id for t in trials], f"the array could not start on {worker.name}: {exc}")
+            raise
         self._live[array_id] = _Live(
             study.id, {t.id: t.optuna_trial_id for t in trials}, client_decides=study.driver == "client", tenant=study.tenant,
             announced={t.id for t in trials},
         )
-        self.pool.submit(worker, spec)
         log.info("array %d: %d trials of study %s on %s", array_id, len(trials), study.name, worker.name)
+
+    def _unstart(self, study: Study, array_id: int, trial_ids: list[int], error: str) -> None:
+        """An array whose rows are committed but that its worker never took: it ends FAIL and
+        its trials wait again, in a transaction of its own."""
+        with self.sessions.begin() as session:
+            session.execute(
+                update(Array).where(Array.id == array_id).values(state=ArrayState.FAIL, error=error, completed_at=utcnow())
+            )
+            session.execute(
+                update(Trial).where(Trial.id.in_(trial_ids)).values(state=TrialState.WAITING, array_id=None, started_at=None)
+            )
+            events.record(
+                session, "array.ended", tenant=study.tenant, study_id=study.id, array_id=array_id, state="FAIL",
+                error=error, requeued=trial_ids,
+            )
+        log.warning("array %d: %s", array_id, error)
 
     # -- recording -----------------------------------------------------------------------------
     def _record_epoch(self, worker: WorkerHandle, report: EpochReport) -> EpochReply | None:
@@ -1090,7 +1146,10 @@ class Coordinator(StudyLifecycle):
             try:
                 for worker, report in reports:
                     live = self._live[report.array_id]
-                    restore.append((live, live.epochs_done, dict(live.timings), dict(live.checkpoints), set(live.announced), dict(live.steps)))
+                    restore.append((
+                        live, report, live.epochs_done, dict(live.timings), dict(live.checkpoints), set(live.announced),
+                        dict(live.steps), set(live.ended),
+                    ))
                     decided.append(self._write_epoch(session, worker, report, live))
                 self._write_observed(session)
                 # A study whose last trials these epochs ended completes in the same
@@ -1107,13 +1166,20 @@ class Coordinator(StudyLifecycle):
                 for signature, device_type, members in [k for k, (_, _, new) in self._observed.items() if new]:
                     del self._points[(signature, device_type)][members]  # its row was not written after all
                 self._observed.clear()
-                for live, *before in reversed(restore):  # so that a retry writes the same
-                    self._mirrors.pop(live.study_id, None)  # the mirror ran ahead of the database: reload it
-                    live.epochs_done, live.timings, live.checkpoints, live.announced, live.steps = before
+                for live, report, *before in reversed(restore):  # so that a retry writes the same
+                    # The mirror ran ahead of the database for these members only.
+                    touched = {m.trial_id for m in report.members} | {j.trial_id for j in report.joined} | set(report.released)
+                    self._mark_stale(live.study_id, [live.optuna_ids[i] for i in touched if i in live.optuna_ids])
+                    live.epochs_done, live.timings, live.checkpoints, live.announced, live.steps, live.ended = before
                 raise
         replies: list[EpochReply | None] = []
         for (worker, report), (prune, awaiting) in zip(reports, decided):
             self._release_halted(worker, self._live[report.array_id], report, prune)
+            superseded = self._awaiting.pop(report.array_id, None)
+            if superseded is not None:
+                # The worker went on past its deadline without the client's decisions: the
+                # undecided members continue, and the decisions made go with this answer.
+                self.pool.reply(superseded.worker, EpochReply(prune=frozenset(superseded.prune)))
             if awaiting:
                 self._awaiting[report.array_id] = _Awaiting(worker, awaiting)
                 replies.append(None)
@@ -1136,6 +1202,12 @@ class Coordinator(StudyLifecycle):
         """
         prune: set[int] = set()
         awaiting: dict[int, int] = {}
+        if live.ended:
+            report = dataclasses.replace(
+                report,
+                members=tuple(m for m in report.members if m.trial_id not in live.ended),
+                released=tuple(i for i in report.released if i not in live.ended),
+            )
         mirror = self._mirror_of(session, live.study_id)
         client_decides = live.client_decides
         now = utcnow()
@@ -1158,7 +1230,9 @@ class Coordinator(StudyLifecycle):
             )
         for joined in report.joined:
             if joined.resumed_at_epoch is not None:  # one entry per move or crash
-                resumed = mirror.trial(optuna_id[joined.trial_id]).user_attrs.get("resumed_at_epochs", [])
+                resumed = mirror.trial(optuna_id[joined.trial_id]).user_attrs.get("resumed_at_epochs")
+                # A user attr a client may have set itself (enqueue_trial): not always a list.
+                resumed = resumed if isinstance(resumed, list) else []
                 mirror.set_user_attrs(session, optuna_id[joined.trial_id], {"resumed_at_epochs": [*resumed, joined.resumed_at_epoch]})
         self._truncate_resumed(session, mirror, report, optuna_id)
         mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
@@ -1195,6 +1269,7 @@ class Coordinator(StudyLifecycle):
                 ends.append(_ending(session, member.trial_id, TrialState.PRUNED, value=member.value, event=where))
                 prune.add(member.trial_id)
                 ended.append(member.trial_id)
+        live.ended.update(ended)
         if ends:
             # The members that ended, in one executemany: an array's last epoch ends all of
             # them. touch_trials above stamps their revision; the counter is taken first, as
@@ -1258,9 +1333,10 @@ class Coordinator(StudyLifecycle):
                     session.commit()
                 except Exception:
                     session.rollback()
-                    self._mirrors.pop(live.study_id, None)
+                    self._mark_stale(live.study_id, [live.optuna_ids[trial_id]])
                     raise
             waiting.prune.add(trial_id)
+            live.ended.add(trial_id)
         del waiting.steps[trial_id]
         if not waiting.steps:
             del self._awaiting[array_id]
@@ -1269,7 +1345,9 @@ class Coordinator(StudyLifecycle):
                 self.wake()  # freed slots: backfill
 
     def _mirror_of(self, session: Session, study_id: int) -> StudyMirror:
-        return self._mirrors.get(study_id) or self._mirror(session.get(Study, study_id))
+        if study_id in self._mirrors:
+            return self._fresh(study_id)
+        return self._mirror(session.get(Study, study_id))
 
     def _truncate_resumed(self, session: Session, mirror: StudyMirror, report: EpochReport, optuna_id: Mapping[int, int]) -> None:
         """Members that (re)started at an epoch drop the values stored from there on.
@@ -1284,7 +1362,8 @@ class Coordinator(StudyLifecycle):
             trial_id = optuna_id[joined.trial_id]
             dropped = mirror.truncate(session, trial_id, joined.resumed_at_epoch or 0)
             if dropped:
-                done = mirror.trial(trial_id).user_attrs.get("epochs_retrained", 0)
+                done = mirror.trial(trial_id).user_attrs.get("epochs_retrained")
+                done = done if isinstance(done, int) and not isinstance(done, bool) else 0  # a client may have set it
                 mirror.set_user_attrs(session, trial_id, {"epochs_retrained": done + dropped})
 
     def _note_checkpoints(self, session: Session, live: _Live, report: EpochReport) -> None:
@@ -1434,7 +1513,10 @@ class Coordinator(StudyLifecycle):
                 session.commit()
             except Exception:
                 session.rollback()
-                self._mirrors.pop(array.study_id, None)
+                if live is not None:  # its members were told FAIL in the mirror only
+                    self._mark_stale(array.study_id, live.optuna_ids.values())
+                else:
+                    self._mirrors.pop(array.study_id, None)
                 raise
         log.info("array %d ended: %s", spec.array_id, array.state.value)
 
@@ -1576,3 +1658,7 @@ class _Live:
     unacked: int = 0  # recorded reports of a worker that does not wait, not acknowledged yet
     new_checkpoint: bool = False  # a recorded report named a checkpoint not acknowledged yet
     last_epoch: tuple[float, int] = (0.0, 0)  # the last epoch's seconds (training to report) and its members
+    # Members whose trials the control plane ended while the worker went on: pruned by a
+    # reply that came after the worker's deadline (workers/actor.py). Their later results are
+    # the worker's, not the trial's any more, and are not recorded.
+    ended: set[int] = field(default_factory=set)

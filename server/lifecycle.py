@@ -349,6 +349,7 @@ class StudyLifecycle:
             value = mirror.trial(live.optuna_ids[trial_id]).intermediate_values.get(step)
             _end(session, trial_id, TrialState.PRUNED, now, value, reason, where)
         session.commit()
+        live.ended.update(waiting.steps)
         self.pool.reply(waiting.worker, EpochReply(prune=frozenset(waiting.prune | set(waiting.steps))))
 
     def _release_arrays(self, session: Session, study_id: int, once: bool = False) -> None:

@@ -154,6 +154,33 @@ class StudyMirror:
         """The trial (by database id) as the mirror holds it."""
         return self._memory.get_trial(self._to_memory[trial_id])
 
+    def reload_trials(self, storage: optuna.storages.RDBStorage, trial_ids: Iterable[int]) -> None:
+        """Bring these trials (database ids) back to what the database holds.
+
+        A transaction that changed them in memory rolled back: only they are read again, not
+        the study (whose mirror is about 1 GB at 100,000 trials x 100 epochs), so one failed
+        report costs one study's few trials, not every study of its batch whole.
+        """
+        study_id = self.study._study_id
+        reverted = False
+        for trial_id in trial_ids:
+            memory_id = self._to_memory.get(trial_id)
+            if memory_id is None:
+                continue
+            stored = copy.copy(storage.get_trial(trial_id))
+            stored._trial_id = memory_id
+            with self._memory._lock:
+                reverted |= self._memory._get_trial(memory_id).state != stored.state
+                self._memory._set_trial(memory_id, stored)
+        if reverted and not self.multi_objective:
+            # The best trial is cached as trials complete: one that completed only in memory
+            # may be it. (InMemoryStorage has no call that recomputes it.)
+            with self._memory._lock:
+                self._memory._studies[study_id].best_trial_id = None
+                for trial in self._memory._studies[study_id].trials:
+                    if trial.state == OptunaState.COMPLETE:
+                        self._memory._update_cache(trial._trial_id, study_id)
+
     # -- asking --------------------------------------------------------------------------------
     def ask(
         self,

@@ -46,6 +46,13 @@ class Settings(BaseSettings):
         description="Accept studies whose workload is a `package.module:attr` import path (the server "
         "imports that module). Off: only registered and entry-point workloads.",
     )
+    max_tokens_per_tenant: int = Field(
+        100,
+        ge=1,
+        le=1_000_000,
+        description="Most live (unrevoked) tokens a tenant may hold; minting one more is a 409 naming "
+        "the limit (revoke one first). Bounds the spares a leaked token could mint, and the token table.",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     artifact_dir: Path = Field(
@@ -73,6 +80,21 @@ class Settings(BaseSettings):
     )
     db_retry_s: float = Field(
         1.0, gt=0, description="First wait before the scheduling loop retries a database that failed (doubling, up to 5 s)."
+    )
+    prune_reply_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long an array of a study with a pruner (or a client that decides pruning) waits "
+        "at an epoch boundary for the decision. Past it the array goes on as if told to continue, and a "
+        "decision that comes later applies at a later boundary: a control plane cut off from its "
+        "database, or a client that never answers, never fails a trial or holds a device.",
+    )
+    loop_call_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a request that the scheduling loop must carry out (pause, resume, cancel, "
+        "delete, more trials, enqueue, a pruning decision) waits for the loop to take it up. Past it "
+        "the request is withdrawn, never carried out, and answered 503.",
     )
     leader_poll_s: float = Field(
         2.0,

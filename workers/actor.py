@@ -7,6 +7,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import ray
@@ -15,10 +16,6 @@ import torch
 import fusetune.fusion as fusion
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
 from fusetune.workers.training import train_array
-
-#: How long an array waits for the control plane's reply to an epoch report before it fails.
-REPLY_TIMEOUT_S = 600.0
-
 
 class ArrayWorker:
     """Trains arrays on one device: a GPU (``cuda``), a TPU core (``xla``) or the CPU.
@@ -121,8 +118,9 @@ class ArrayWorker:
     def reply(self, array_id: int, reply: EpochReply) -> None:
         """The control plane's answer to array ``array_id``'s last epoch report (second thread)."""
         with self._lock:
-            replies = self._replies.setdefault(array_id, queue.SimpleQueue())
-        replies.put(reply)
+            replies = self._replies.get(array_id)
+        if replies is not None:  # else the array has ended: a late answer changes nothing
+            replies.put(reply)
 
     def run(self, spec: ArraySpec) -> Iterator[EpochReport | ArrayOutcome]:
         """Train ``spec``: yields one :class:`EpochReport` per epoch, then the :class:`ArrayOutcome`.
@@ -136,6 +134,7 @@ class ArrayWorker:
             replies = self._replies.setdefault(spec.array_id, queue.SimpleQueue())
         training = train_array(spec, self.device, inbox=self)
         reply: EpochReply | None = None
+        owed = 0  # reports of a pruning study not answered yet
         try:
             while True:
                 report = training.send(reply)
@@ -146,11 +145,7 @@ class ArrayWorker:
                     # the replies that arrived meanwhile acknowledge recorded reports.
                     reply = EpochReply(acked=_drain(replies))
                     continue
-                try:
-                    reply = replies.get(timeout=REPLY_TIMEOUT_S)
-                except queue.Empty:
-                    report = training.throw(TimeoutError(f"no reply from the control plane in {REPLY_TIMEOUT_S:.0f} s"))
-                    raise AssertionError("train_array went on after a fatal error") from None
+                reply, owed = _await(replies, owed + 1, spec.reply_timeout_s)
         except StopIteration as stop:
             outcome: ArrayOutcome = stop.value
         with self._lock:
@@ -166,6 +161,30 @@ class ArrayWorker:
             self._settled.add(spec.workload)
             gc.collect()
             gc.freeze()
+
+
+def _await(replies: queue.SimpleQueue[EpochReply], owed: int, timeout_s: float) -> tuple[EpochReply, int]:
+    """The control plane's answers to the ``owed`` reports not answered yet, merged into one
+    reply, and how many are still owed.
+
+    It waits until every owed report is answered or ``timeout_s`` has passed. Past it the
+    array goes on as if told to continue: the control plane may be cut off from its
+    database (it writes every report once it is back, and answers then), or a client that
+    decides pruning may never answer. Trials then neither fail nor hold the device; the
+    late answers are taken at a later boundary, their prunes applied there.
+    """
+    deadline = time.monotonic() + timeout_s
+    prune: set[int] = set()
+    acked = 0
+    while owed:
+        try:
+            reply = replies.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        prune |= reply.prune
+        acked += reply.acked
+        owed -= 1
+    return EpochReply(prune=frozenset(prune), acked=acked), owed
 
 
 def _drain(replies: queue.SimpleQueue[EpochReply]) -> int:

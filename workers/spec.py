@@ -93,6 +93,9 @@ class ArraySpec:
     probe_solo: bool = False  # also time one member unfused once: the class's B = 1 speed
     prunes: bool = True  # the study has a pruner: each epoch waits for the control plane's decision
     training: TrainingSpec = field(default_factory=TrainingSpec)  # the study's optimizer, schedule, metrics, ...
+    # How long an epoch boundary waits for the pruning reply (``prunes``) before it goes on
+    # as if told to continue; a late reply's decisions apply at a later boundary.
+    reply_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
