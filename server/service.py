@@ -20,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
+from fusetune.server.db.engine import lock_for_write
 from fusetune.server.optuna_specs import make_sampler
 from fusetune.server.mirror import CreatedStudy
 from fusetune.server.schemas import FAILURE_ATTR, TRAINING_ATTR, ArrayOut, BestTrial, PruningDecision, StudyCreate, StudyOut, StudyUpdate, TrialEnqueue, TrialOut
@@ -73,7 +74,7 @@ def _tenant_for_study(session: Session, request: StudyCreate, as_tenant: str | N
     name = request.tenant or as_tenant or "default"
     tenant = None
     if as_tenant is None or name == as_tenant:  # another tenant's name reads as an unknown one
-        tenant = session.get(Tenant, name, with_for_update=True)
+        tenant = lock_tenant(session, name)
     if tenant is None:
         raise Invalid("tenant", f"tenant {name!r} does not exist")
     check_trials_quota(tenant, request.n_trials)
@@ -92,9 +93,21 @@ def check_trials_quota(tenant: Tenant, n_trials: int) -> None:
         )
 
 
+def lock_tenant(session: Session, name: str) -> Tenant | None:
+    """The tenant ``name`` (None: no such tenant), locked until the transaction ends, so that
+    the quota checks and writes of its transactions run one at a time: its row on PostgreSQL
+    (``SELECT ... FOR UPDATE``), the database's write lock on SQLite, which has no row locks
+    (``db.engine.lock_for_write``)."""
+    lock_for_write(session)
+    return session.get(Tenant, name, with_for_update=True, populate_existing=True)
+
+
 def check_running_quota(session: Session, tenant: Tenant) -> None:
     """``tenant`` may run one more study (a new one, or one that runs again): Conflict naming
-    ``max_running_studies`` when it runs as many as its quota. Lock the tenant's row first."""
+    ``max_running_studies`` when it runs as many as its quota. Lock the tenant first
+    (:func:`lock_tenant`); a caller that read it otherwise is serialised here, on SQLite too."""
+    if lock_for_write(session):  # the tenant was read before the lock: its quota may have changed
+        session.refresh(tenant)
     if tenant.max_running_studies is not None:
         running = session.scalar(
             select(func.count()).select_from(Study).where(Study.tenant == tenant.name, Study.state == StudyState.RUNNING)

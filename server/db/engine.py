@@ -37,6 +37,32 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyp
     cursor.close()
 
 
+def lock_for_write(session: Session) -> bool:
+    """Take the database's write lock for the rest of ``session``'s transaction, before it
+    reads what decides its writes (a quota's count): on SQLite, which has no row locks and
+    ignores ``SELECT ... FOR UPDATE``. True when the transaction began here (what the session
+    read before is older than the lock: read it again).
+
+    pysqlite (in its default, legacy transaction control, which the write engine keeps)
+    begins a transaction only at the first INSERT, UPDATE or DELETE, so two transactions
+    could each count, find room, and both insert. ``BEGIN IMMEDIATE`` takes SQLite's one
+    write lock at once, waiting up to the connection's timeout for another writer, so such
+    transactions run one after the other. Only the transactions that ask for it pay: the
+    scheduling loop's writes keep their deferred BEGIN (SQLAlchemy's documented pattern, a
+    ``begin`` event, would make every transaction on the engine take the write lock, reads
+    and all). On PostgreSQL this does nothing: callers lock the rows they read
+    (``SELECT ... FOR UPDATE``). A transaction that has written already holds the lock.
+    """
+    connection = session.connection()
+    if connection.dialect.name != "sqlite":
+        return False
+    dbapi = connection.connection.dbapi_connection
+    if dbapi is None or dbapi.in_transaction:
+        return False
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+    return True
+
+
 def engine_kwargs(url: str) -> dict:
     """Connection options every engine on ``url`` (ours and Optuna's) should use."""
     if url.startswith("sqlite"):
