@@ -23,6 +23,10 @@ from fusetune.server.db import Token
 TOKEN_PREFIX = "ft_"
 
 
+class TokenRevoked(PermissionError):
+    """The token a request was authenticated with has been revoked since (a 401)."""
+
+
 @dataclass(frozen=True)
 class Principal:
     """Who a request acts for: one tenant, or the admin (``tenant`` None)."""

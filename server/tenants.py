@@ -4,20 +4,27 @@ Creating tenants and changing their weights and quotas is the admin's (the route
 a tenant's tokens are the admin's and the tenant's own. Functions that touch one tenant's
 tokens take ``as_tenant`` like those in :mod:`fusetune.server.service`: another tenant's are
 NotFound, as if they did not exist.
+
+A token a tenant's bearer mints records the token that minted it (``ft_tokens.minted_by``),
+and revoking a token revokes every token minted from it, transitively: whoever holds a
+leaked token cannot keep access by minting spares before it is revoked. A tenant holds at
+most ``FUSETUNE_MAX_TOKENS_PER_TENANT`` live tokens. Mints and revocations of one tenant run
+one at a time (:func:`fusetune.server.service.lock_tenant`), so a token revoked while it
+mints either mints before (and its spare is revoked with it) or is refused after.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from fusetune.server.auth import hash_token, new_token
+from fusetune.server.auth import TokenRevoked, hash_token, new_token
 from fusetune.server.db import Study, StudyState, Tenant, Token, utcnow
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreated, TokenOut
 from fusetune.server.pagination import Page, PageParams, decode_cursor, encode_cursor
 from fusetune.server.reads import id_page, keyset_page
-from fusetune.server.service import Conflict, NotFound
+from fusetune.server.service import Conflict, NotFound, lock_tenant
 
 
 def list_tenants(session: Session, *, page: PageParams = PageParams(), as_tenant: str | None = None) -> Page[TenantOut]:
@@ -55,7 +62,7 @@ def update_tenant(session: Session, name: str, update: TenantUpdate) -> TenantOu
 
     A quota may not be set below what the tenant runs now: Conflict naming the quota.
     """
-    tenant = session.get(Tenant, name, with_for_update=True)  # study creation checks quotas under this lock
+    tenant = lock_tenant(session, name)  # study creation checks quotas under this lock
     if tenant is None:
         raise NotFound(f"tenant {name!r} does not exist")
     changes = update.changes()
@@ -82,10 +89,40 @@ def update_tenant(session: Session, name: str, update: TenantUpdate) -> TenantOu
     return TenantOut.model_validate(tenant)
 
 
-def create_token(session: Session, tenant: str, label: str | None = None, *, as_tenant: str | None = None) -> TokenCreated:
-    """Another token for ``tenant``; the tenant's other tokens stay valid."""
+def create_token(
+    session: Session,
+    tenant: str,
+    label: str | None = None,
+    *,
+    as_tenant: str | None = None,
+    minted_by: int | None = None,
+    max_live: int | None = None,
+) -> TokenCreated:
+    """Another token for ``tenant``; the tenant's other tokens stay valid.
+
+    ``minted_by``: the id of the token whose bearer asks (None: the admin's or the operator's
+    request); the new token records it, and dies with it. ``max_live``: most live tokens the
+    tenant may hold (``FUSETUNE_MAX_TOKENS_PER_TENANT``; None: no cap, the operator's CLI).
+
+    Raises:
+        NotFound: no such tenant, or another tenant's.
+        TokenRevoked: the token ``minted_by`` was revoked since the request was authenticated.
+        Conflict: naming ``max_tokens_per_tenant`` when the tenant holds ``max_live`` live tokens.
+    """
     _tenant(session, tenant, as_tenant)
-    return _issue(session, tenant, label)
+    lock_tenant(session, tenant)  # a revocation of the minting token runs before this or after
+    if minted_by is not None and session.scalar(select(Token.revoked_at).where(Token.id == minted_by)) is not None:
+        raise TokenRevoked(f"token {minted_by} was revoked")
+    if max_live is not None:
+        live = session.scalar(select(func.count()).where(Token.tenant == tenant, Token.revoked_at.is_(None)))
+        if live >= max_live:
+            raise Conflict(
+                "max_tokens_per_tenant",
+                f"tenant {tenant!r} holds {live} live tokens, the most FUSETUNE_MAX_TOKENS_PER_TENANT={max_live} "
+                "allows; revoke one first",
+                where="tenant",
+            )
+    return _issue(session, tenant, label, minted_by)
 
 
 def list_tokens(
@@ -98,13 +135,21 @@ def list_tokens(
 
 
 def revoke_token(session: Session, token_id: int, *, as_tenant: str | None = None) -> TokenOut:
-    """Revoke a token: it authenticates nothing from now on. Revoking it again changes nothing."""
+    """Revoke a token and every token minted from it, transitively: none of them authenticates
+    anything from now on. Revoking it again changes nothing (its spares are revoked already)."""
     token = session.get(Token, token_id)
     if token is None or (as_tenant is not None and token.tenant != as_tenant):
         raise NotFound(f"token {token_id} does not exist")
-    if token.revoked_at is None:
-        token.revoked_at = utcnow()
-        session.commit()
+    lock_tenant(session, token.tenant)  # no mint of the tenant runs meanwhile (create_token)
+    # Read after the lock, in a statement of its own: every token minted before it is in it.
+    lineage = select(Token.id).where(Token.id == token.id).cte("lineage", recursive=True)
+    lineage = lineage.union(select(Token.id).where(Token.minted_by == lineage.c.id))
+    session.execute(
+        update(Token).where(Token.id.in_(select(lineage.c.id)), Token.revoked_at.is_(None)).values(revoked_at=utcnow()),
+        execution_options={"synchronize_session": False},
+    )
+    session.commit()
+    session.refresh(token)
     return TokenOut.model_validate(token)
 
 
@@ -115,9 +160,9 @@ def _tenant(session: Session, name: str, as_tenant: str | None) -> Tenant:
     return tenant
 
 
-def _issue(session: Session, tenant: str, label: str | None) -> TokenCreated:
+def _issue(session: Session, tenant: str, label: str | None, minted_by: int | None = None) -> TokenCreated:
     token = new_token()
-    row = Token(tenant=tenant, token_hash=hash_token(token), label=label)
+    row = Token(tenant=tenant, token_hash=hash_token(token), label=label, minted_by=minted_by)
     session.add(row)
     session.commit()
     return TokenCreated(**TokenOut.model_validate(row).model_dump(), token=token)

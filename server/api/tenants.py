@@ -1,20 +1,23 @@
 """REST routes of tenants and their tokens, ``/api/v1``.
 
 Creating a tenant and changing its weight or quotas are admin routes (403 for a tenant's
-token). A tenant's tokens are its own and the admin's: another tenant's answer 404.
+token). A tenant's tokens are its own and the admin's: another tenant's answer 404. A token
+minted with a tenant's token dies with it (``server/tenants.py``); a tenant holds at most
+``FUSETUNE_MAX_TOKENS_PER_TENANT`` live tokens.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Path, Request, Response, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
 from sqlalchemy.orm import Session
 
 from fusetune.server import tenants
-from fusetune.server.api.deps import SessionRoute, authenticate, get_session, require_admin
+from fusetune.server.api.deps import SessionRoute, authenticate, get_app_settings, get_session, require_admin
 from fusetune.server.api.errors import CONFLICT, TokenId
-from fusetune.server.auth import Principal
+from fusetune.server.auth import Principal, TokenRevoked
 from fusetune.server.pagination import LINK_HEADER, PageParams, page_params, paged
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreate, TokenCreated, TokenOut
+from fusetune.server.settings import Settings
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route_class=SessionRoute)
 
@@ -65,20 +68,39 @@ def list_tokens(
     return paged(tenants.list_tokens(session, name, page=page, as_tenant=principal.tenant), request, response)
 
 
-@router.post("/tenants/{name}/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenCreated, tags=["tenants"])
+@router.post(
+    "/tenants/{name}/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenCreated, tags=["tenants"],
+    responses=CONFLICT,
+)
 def create_token(
     body: TokenCreate | None = None,
     name: str = TenantName,
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
+    settings: Settings = Depends(get_app_settings),
 ) -> TokenCreated:
-    """Another token for the tenant, shown this once (the admin, or the tenant for itself)."""
-    return tenants.create_token(session, name, body.label if body else None, as_tenant=principal.tenant)
+    """Another token for the tenant, shown this once (the admin, or the tenant for itself).
+
+    A token minted with a tenant's token is revoked with it. 409 naming
+    ``max_tokens_per_tenant`` when the tenant holds ``FUSETUNE_MAX_TOKENS_PER_TENANT`` live
+    tokens: a limit on what the tenant holds, which waiting does not lift (not a 429).
+    """
+    try:
+        return tenants.create_token(
+            session, name, body.label if body else None, as_tenant=principal.tenant,
+            minted_by=principal.token_id, max_live=settings.max_tokens_per_tenant,
+        )
+    except TokenRevoked as exc:  # revoked between the authentication and the mint
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED, "the bearer token is not valid (unknown or revoked)",
+            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+        ) from exc
 
 
 @router.delete("/tokens/{token_id}", response_model=TokenOut, tags=["tenants"])
 def revoke_token(
     token_id: TokenId, principal: Principal = Depends(authenticate), session: Session = Depends(get_session)
 ) -> TokenOut:
-    """Revoke a token (the admin, or the tenant for its own); it authenticates nothing after."""
+    """Revoke a token (the admin, or the tenant for its own), and every token minted from it,
+    transitively; none of them authenticates anything after."""
     return tenants.revoke_token(session, token_id, as_tenant=principal.tenant)
