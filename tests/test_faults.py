@@ -20,6 +20,8 @@ import pytest
 import sqlalchemy as sa
 
 from fusetune.client import Client
+from fusetune.workers.checkpoints import saved_epochs
+from fusetune.workers.store import ArtifactStore
 from tests.conftest import running_service
 from tests.faults import audit, record, resumed, wait_until
 
@@ -137,4 +139,58 @@ def test_a_study_whose_sampler_raises_or_whose_workload_cannot_build_fails_alone
     record(
         "a study's sampler raises / its workload cannot build", points_lost=0, points_duplicated=0, epochs_retrained=0,
         trials=4, epochs=3, recover_s=None, how="measured by tests/test_faults.py (the neighbouring study's curves)",
+    )
+
+
+def test_a_corrupt_checkpoint_restarts_that_member_from_an_older_one_and_the_others_resume(
+    service: tuple[Client, str, Path],
+) -> None:
+    """One member's newest checkpoint is corrupted while its study is paused: on resuming,
+    that member restarts from its older checkpoint, the other three where they left, and the
+    array trains all four to the end, every curve whole."""
+    client, url, artifacts = service
+    name, epochs = "fault-corrupt-checkpoint", 30
+    sid = client.create_study(
+        "digits-mlp", n_trials=4, epochs=epochs, name=name, search_space=ONE_SHAPE,
+        sampler={"name": "RandomSampler", "kwargs": {"seed": 3}},
+    )["id"]
+    wait_until(
+        lambda: (c := checkpoint_epochs(url, sid)) and len(c) == 4 and all((e or 0) >= 2 for e in c.values()),
+        "every member's second checkpoint recorded",
+    )
+    assert client.pause_study(sid)["state"] == "PAUSED"
+    # Paused: every member left its array checkpointed, and the array (its checkpoint writer) has ended.
+    wait_until(
+        lambda: all(t["state"] == "WAITING" for t in client.trials(sid))
+        and all(a["state"] != "RUNNING" for a in client.arrays(sid)),
+        "the paused array to end",
+    )
+    left_at = checkpoint_epochs(url, sid)
+    victim = min(left_at)
+    folder = artifacts / name / "checkpoints" / f"trial-{victim}"
+    store = ArtifactStore(artifacts)
+    older = [e for e in saved_epochs(store, f"{name}/checkpoints/trial-{victim}") if e < left_at[victim]]
+    assert older, "the member kept no checkpoint older than its newest"
+    newest = folder / f"{left_at[victim]}.pt"
+    damaged = bytearray(newest.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # a flipped byte in its tensors: the file still loads with torch alone
+    newest.write_bytes(bytes(damaged))
+
+    hit = time.monotonic()
+    assert client.resume_study(sid)["state"] == "RUNNING"
+    wait_until(lambda: resumed(client, sid, set(left_at)), "every member to resume", timeout=240)
+    recovered = time.monotonic() - hit
+    done = client.wait(sid, timeout=300)
+    assert done["trial_counts"].get("COMPLETE") == 4, done["trial_counts"]
+    result = audit(url, name, epochs)
+    assert result["unfinished"] == [] and result["states"] == ["COMPLETE"]
+    assert result["points_lost"] == 0 and result["points_duplicated"] == 0
+    # The victim restarted from its newest older checkpoint; the others where they left.
+    assert result["resumed_at_epochs"] == {n: [older[-1] if n == victim else at] for n, at in left_at.items()}
+    assert result["epochs_retrained"] == left_at[victim] - older[-1]
+    record(
+        "a member's newest checkpoint corrupt (study paused, resumed)", points_lost=result["points_lost"],
+        points_duplicated=result["points_duplicated"], epochs_retrained=result["epochs_retrained"], trials=4,
+        epochs=epochs, recover_s=round(recovered, 2), resumed_at_epochs=result["resumed_at_epochs"],
+        how="measured by tests/test_faults.py",
     )
