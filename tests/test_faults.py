@@ -142,12 +142,20 @@ def test_a_study_whose_sampler_raises_or_whose_workload_cannot_build_fails_alone
     )
 
 
+def _flip_a_byte(path: Path) -> None:
+    """Flip a byte in the middle of ``path``: in a checkpoint, one of its tensors' (the file
+    still loads with ``torch.load`` alone; its checksum no longer matches)."""
+    damaged = bytearray(path.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+
+
 def test_a_corrupt_checkpoint_restarts_that_member_from_an_older_one_and_the_others_resume(
     service: tuple[Client, str, Path],
 ) -> None:
-    """One member's newest checkpoint is corrupted while its study is paused: on resuming,
-    that member restarts from its older checkpoint, the other three where they left, and the
-    array trains all four to the end, every curve whole."""
+    """Checkpoints are corrupted while the study is paused: one member's newest (it restarts
+    from its older one) and every one of another member (it restarts from epoch 0). The other
+    two resume where they left, and the array trains all four to the end, every curve whole."""
     client, url, artifacts = service
     name, epochs = "fault-corrupt-checkpoint", 30
     sid = client.create_study(
@@ -166,15 +174,13 @@ def test_a_corrupt_checkpoint_restarts_that_member_from_an_older_one_and_the_oth
         "the paused array to end",
     )
     left_at = checkpoint_epochs(url, sid)
-    victim = min(left_at)
-    folder = artifacts / name / "checkpoints" / f"trial-{victim}"
+    older, scratch = min(left_at), max(left_at)
     store = ArtifactStore(artifacts)
-    older = [e for e in saved_epochs(store, f"{name}/checkpoints/trial-{victim}") if e < left_at[victim]]
-    assert older, "the member kept no checkpoint older than its newest"
-    newest = folder / f"{left_at[victim]}.pt"
-    damaged = bytearray(newest.read_bytes())
-    damaged[len(damaged) // 2] ^= 0xFF  # a flipped byte in its tensors: the file still loads with torch alone
-    newest.write_bytes(bytes(damaged))
+    kept = {n: saved_epochs(store, f"{name}/checkpoints/trial-{n}") for n in (older, scratch)}
+    assert all(len(epochs_) >= 2 and epochs_[-1] == left_at[n] for n, epochs_ in kept.items()), kept
+    _flip_a_byte(artifacts / name / "checkpoints" / f"trial-{older}" / f"{left_at[older]}.pt")
+    for epoch in kept[scratch]:
+        _flip_a_byte(artifacts / name / "checkpoints" / f"trial-{scratch}" / f"{epoch}.pt")
 
     hit = time.monotonic()
     assert client.resume_study(sid)["state"] == "RUNNING"
@@ -185,12 +191,13 @@ def test_a_corrupt_checkpoint_restarts_that_member_from_an_older_one_and_the_oth
     result = audit(url, name, epochs)
     assert result["unfinished"] == [] and result["states"] == ["COMPLETE"]
     assert result["points_lost"] == 0 and result["points_duplicated"] == 0
-    # The victim restarted from its newest older checkpoint; the others where they left.
-    assert result["resumed_at_epochs"] == {n: [older[-1] if n == victim else at] for n, at in left_at.items()}
-    assert result["epochs_retrained"] == left_at[victim] - older[-1]
+    # One restarted from its newest older checkpoint, one from scratch; the others where they left.
+    fallback = kept[older][-2]
+    assert result["resumed_at_epochs"] == {**{n: [at] for n, at in left_at.items()}, older: [fallback], scratch: [0]}
+    assert result["epochs_retrained"] == left_at[older] - fallback + left_at[scratch]
     record(
-        "a member's newest checkpoint corrupt (study paused, resumed)", points_lost=result["points_lost"],
-        points_duplicated=result["points_duplicated"], epochs_retrained=result["epochs_retrained"], trials=4,
-        epochs=epochs, recover_s=round(recovered, 2), resumed_at_epochs=result["resumed_at_epochs"],
-        how="measured by tests/test_faults.py",
+        "checkpoints corrupt: one member's newest, another's all (study paused, resumed)",
+        points_lost=result["points_lost"], points_duplicated=result["points_duplicated"],
+        epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
+        resumed_at_epochs=result["resumed_at_epochs"], how="measured by tests/test_faults.py",
     )
