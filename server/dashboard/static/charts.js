@@ -1,5 +1,13 @@
 // Chart helpers over the vendored libraries: Apache ECharts (canvas) for scatter, parallel
 // coordinates, bars and the arrays timeline; uPlot for the learning curves (many lines).
+//
+// Text rule: every string a tenant controls (param names, categorical choices, study names,
+// metric names, user attrs, errors) is shown as text. ECharts parses a string that a tooltip
+// formatter returns as HTML, so the views' formatters return tip(...) (an element of text
+// nodes), and ecChart() wraps every tooltip formatter so that a string one returns is shown
+// as text too; a string template formatter ("{b}: {c}") is refused. Canvas text (axis labels
+// and names, legends, series labels) is not HTML, and no option here sets `rich` styles, so
+// "{a|...}" in a name is drawn as it is. uPlot writes its labels with textContent.
 
 import * as echarts from "./vendor/echarts-6.1.0/echarts.esm.min.js";
 import uPlot from "./vendor/uplot-1.6.32/uPlot.esm.js";
@@ -17,9 +25,42 @@ export function panel(name, title, { height = 320, note = null } = {}) {
   return { root, body, note: noteEl };
 }
 
-/** An ECharts instance on `el`, resized with it; returns {chart, dispose}. */
+/**
+ * A tooltip's content: one line per argument, each a string (or an array of strings and
+ * nodes), as text nodes: ECharts shows an element as it is, where it would parse a string.
+ */
+export function tip(...lines) {
+  return h("div.tip", ...lines.map((line) => h("div", line)));
+}
+
+/** A tooltip formatter whose strings are shown as text (see the text rule at the top). */
+function asText(formatter) {
+  if (formatter === undefined || formatter === null) return formatter;
+  if (typeof formatter !== "function") throw new TypeError("tooltip formatters are functions here (a string template is HTML to ECharts)");
+  if (formatter.asText) return formatter;
+  const wrapped = (...args) => {
+    const out = formatter(...args);
+    if (out === null || out === undefined || out === "") return "";
+    return out instanceof Node ? out : Array.isArray(out) ? tip(...out) : tip(String(out));
+  };
+  wrapped.asText = true;
+  return wrapped;
+}
+
+function textTooltips(option) {
+  const fix = (tooltip) => (tooltip && typeof tooltip === "object" && "formatter" in tooltip ? { ...tooltip, formatter: asText(tooltip.formatter) } : tooltip);
+  const out = { ...option };
+  if ("tooltip" in out) out.tooltip = Array.isArray(out.tooltip) ? out.tooltip.map(fix) : fix(out.tooltip);
+  if (Array.isArray(out.series)) out.series = out.series.map((s) => (s && "tooltip" in s ? { ...s, tooltip: fix(s.tooltip) } : s));
+  else if (out.series && "tooltip" in out.series) out.series = { ...out.series, tooltip: fix(out.series.tooltip) };
+  return out;
+}
+
+/** An ECharts instance on `el`, resized with it, whose tooltips show text; returns {chart, dispose}. */
 export function ecChart(el) {
   const chart = echarts.init(el, null, { renderer: "canvas" });
+  const setOption = chart.setOption.bind(chart);
+  chart.setOption = (option, ...rest) => setOption(textTooltips(option), ...rest);
   const ro = new ResizeObserver(() => chart.resize());
   ro.observe(el);
   return {

@@ -1,4 +1,11 @@
 // Small DOM and formatting helpers shared by the views.
+//
+// The page builds its DOM with h() only: children that are not nodes become text nodes, and
+// attributes are set one by one, so a string from the API (a study's name, a param name, a
+// categorical choice, a user attr, an error) is always text, never markup. Nothing in the page
+// assigns innerHTML or outerHTML, or calls insertAdjacentHTML or document.write.
+
+const URL_ATTRS = new Set(["href", "src", "action", "formaction", "xlink:href"]);
 
 /** h("div.card#x", {onclick, "aria-label": ...}, child, ...): an element with attributes and children. */
 export function h(tag, attrs, ...children) {
@@ -14,8 +21,14 @@ export function h(tag, attrs, ...children) {
   }
   for (const [k, v] of Object.entries(attrs || {})) {
     if (v === undefined || v === null || v === false) continue;
-    if (k.startsWith("on") && typeof v === "function") node.addEventListener(k.slice(2), v);
-    else if (k === "class") node.className = v;
+    if (k.startsWith("on")) {
+      // A handler is a function, never a string of script (the CSP would refuse that too).
+      if (typeof v !== "function") throw new TypeError(`h(): ${k} must be a function`);
+      node.addEventListener(k.slice(2), v);
+      continue;
+    }
+    if (URL_ATTRS.has(k) && /^\s*(javascript|data|vbscript):/i.test(String(v))) throw new TypeError(`h(): refused ${k}=${String(v).slice(0, 40)}`);
+    if (k === "class") node.className = v;
     else if (k === "style" && typeof v === "object") Object.assign(node.style, v);
     else if (k in node && typeof v !== "string") node[k] = v;
     else node.setAttribute(k, v === true ? "" : String(v));
@@ -30,6 +43,11 @@ function append(node, children) {
     if (Array.isArray(c)) append(node, c);
     else node.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
+}
+
+/** A <dl> of user attrs: each key, and its value (a string as it is, anything else as JSON), as text. */
+export function attrList(attrs) {
+  return h("dl.attrs", ...Object.entries(attrs ?? {}).flatMap(([k, v]) => [h("dt", k), h("dd", typeof v === "string" ? v : JSON.stringify(v))]));
 }
 
 export function clear(node) {

@@ -4,7 +4,7 @@
 // one member trained unfused on the same device type.
 
 import { h, clear, STATE_COLOURS, fmtValue, fmtDate, fmtDuration, debounce } from "../util.js";
-import { panel, ecChart, echarts, AXIS } from "../charts.js";
+import { panel, ecChart, echarts, tip, AXIS } from "../charts.js";
 import { get } from "../api.js";
 
 export function arraysTab(ctx) {
@@ -43,7 +43,7 @@ export function arraysTab(ctx) {
           if (!a) return "";
           const rate = a.models_steps_per_s ? `${fmtValue(a.models_steps_per_s, 3)} models·steps/s` : "speed not measured yet";
           const vs = a.unfused_models_steps_per_s ? ` vs ${fmtValue(a.unfused_models_steps_per_s, 3)} unfused (${fmtValue(a.speedup ?? 0, 2)}×)` : "";
-          return `array ${a.id} on ${a.worker ?? "?"}: ${a.members.length} members, ${a.state}<br>${rate}${vs}`;
+          return tip(`array ${a.id} on ${a.worker ?? "?"}: ${a.members.length} members, ${a.state}`, `${rate}${vs}`);
         },
       },
       xAxis: { type: "time", ...AXIS },

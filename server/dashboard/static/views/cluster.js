@@ -2,7 +2,7 @@
 // device shares against their fair shares and weights.
 
 import { h, clear, fmtValue } from "../util.js";
-import { panel, ecChart, AXIS } from "../charts.js";
+import { panel, ecChart, tip, AXIS } from "../charts.js";
 import { get } from "../api.js";
 
 const POLL_MS = 3000;
@@ -45,7 +45,10 @@ export function clusterView() {
       animation: false,
       grid: { left: 80, right: 20, top: 30, bottom: 30 },
       legend: { top: 0 },
-      tooltip: { trigger: "axis" },
+      tooltip: {
+        trigger: "axis",
+        formatter: (ps) => tip(ps[0]?.name ?? "", ...ps.map((p) => `${p.seriesName}: ${Math.round(p.value * 100)}%`)),
+      },
       xAxis: { type: "value", max: 1, axisLabel: { formatter: (v) => `${Math.round(v * 100)}%` }, ...AXIS },
       yAxis: { type: "category", data: all.map((t) => t.name), ...AXIS },
       series: [

@@ -3,7 +3,7 @@
 // slice plot per parameter.
 
 import { h, clear, fmtValue, fmtParam, fmtAxis, sample, debounce } from "../util.js";
-import { panel, ecChart, AXIS, isLog, isCategorical, choices } from "../charts.js";
+import { panel, ecChart, tip, AXIS, isLog, isCategorical, choices } from "../charts.js";
 import { get } from "../api.js";
 import { trialsTable } from "./table.js";
 
@@ -143,7 +143,7 @@ export function paramsTab(ctx) {
       importances.chart.setOption({
         animation: false,
         grid: { left: 110, right: 40, top: 10, bottom: 24 },
-        tooltip: { trigger: "item", formatter: (p) => `${p.name}: ${fmtValue(p.value, 3)}` },
+        tooltip: { trigger: "item", formatter: (p) => tip(`${p.name}: ${fmtValue(p.value, 3)}`) }, // text: a param name is the tenant's
         xAxis: { type: "value", max: 1, ...AXIS },
         yAxis: { type: "category", data: entries.map((e) => e[0]), ...AXIS },
         series: [{ type: "bar", data: entries.map((e) => e[1]), itemStyle: { color: "#2563eb" }, label: { show: true, position: "right", formatter: (p) => fmtValue(p.value, 2) } }],
@@ -173,7 +173,7 @@ export function paramsTab(ctx) {
       entry.ec.chart.setOption({
         animation: false,
         grid: { left: 50, right: 12, top: 10, bottom: 30 },
-        tooltip: { trigger: "item", formatter: (p) => `#${p.value[2]}: ${name}=${fmtParam(p.value[0])}, ${fmtValue(p.value[1])}` },
+        tooltip: { trigger: "item", formatter: (p) => tip(`#${p.value[2]}: ${name}=${fmtParam(p.value[0])}, ${fmtValue(p.value[1])}`) },
         xAxis: a.categorical ? { type: "category", data: a.data, ...AXIS } : { type: a.type, scale: true, axisLabel: { formatter: fmtAxis }, ...AXIS },
         yAxis: { type: "value", scale: true, ...AXIS },
         series: [{

@@ -2,7 +2,7 @@
 // pruned trials marked, and the Pareto front of a multi-objective study.
 
 import { h, clear, STATE_COLOURS, fmtValue, sample } from "../util.js";
-import { panel, ecChart, upChart, AXIS, GRID } from "../charts.js";
+import { panel, ecChart, upChart, tip, AXIS, GRID } from "../charts.js";
 
 const MAX_CURVES = 120;
 
@@ -60,7 +60,7 @@ export function progressTab(ctx) {
     hist.chart.setOption({
       animation: false,
       grid: GRID,
-      tooltip: { trigger: "item", formatter: (p) => (Array.isArray(p.value) ? `#${p.value[0]}: ${fmtValue(p.value[1])}` : "") },
+      tooltip: { trigger: "item", formatter: (p) => (Array.isArray(p.value) ? tip(`#${p.value[0]}: ${fmtValue(p.value[1])}`) : "") },
       legend: { top: 0, right: 0, data: ["complete", "pruned", "best so far"] },
       xAxis: { type: "value", name: "trial", nameLocation: "middle", nameGap: 24, ...AXIS, min: 0 },
       yAxis: { type: "value", name: s.metrics?.[0] ?? "value", scale: true, ...AXIS },
@@ -175,7 +175,7 @@ export function progressTab(ctx) {
     paretoChart.chart.setOption({
       animation: false,
       grid: GRID,
-      tooltip: { trigger: "item", formatter: (p) => `#${p.value[2]}: ${m0} ${fmtValue(p.value[0])}, ${m1} ${fmtValue(p.value[1])}` },
+      tooltip: { trigger: "item", formatter: (p) => tip(`#${p.value[2]}: ${m0} ${fmtValue(p.value[0])}, ${m1} ${fmtValue(p.value[1])}`) },
       legend: { top: 0, right: 0 },
       xAxis: { type: "value", name: m0, nameLocation: "middle", nameGap: 24, scale: true, ...AXIS },
       yAxis: { type: "value", name: m1, scale: true, ...AXIS },

@@ -2,7 +2,7 @@
 // and arrays. The trials are loaded once, then kept current from the event stream and the
 // updated_since cursor; the visible tab repaints once per frame at most.
 
-import { h, clear, fmtDate, fmtDuration, elapsed, perFrame, announce } from "../util.js";
+import { h, clear, attrList, fmtDate, fmtDuration, elapsed, perFrame, announce } from "../util.js";
 import { StudyStore } from "../store.js";
 import { ApiError } from "../api.js";
 import { progressBar, bestText, actionAvailable, runAction, ACTIONS } from "./studies.js";
@@ -37,6 +37,7 @@ export function studyView(studyId, initialTab) {
     else waiting.set(id, [...(waiting.get(id) ?? []), fn]);
   }
   let disposed = false;
+  let attrsOpen = false; // the head's user attrs, opened by the user, stay open across repaints
 
   const ctx = {
     store,
@@ -78,6 +79,11 @@ export function studyView(studyId, initialTab) {
       h("span.meta", `${s.workload} · tenant ${s.tenant} · best ${bestText(s)} · created ${fmtDate(s.created_at)} · ${fmtDuration(elapsed(s.created_at, s.completed_at))}`),
       store.complete ? null : h("span.meta", { "data-testid": "loading" }, `loading trials: ${store.trials.size.toLocaleString()} read`),
       h("div.actions", actions),
+      s.error ? h("p.error.study-error", { "data-testid": "study-error" }, s.error) : null,
+      Object.keys(s.user_attrs ?? {}).length
+        ? h("details.attrs", { "data-testid": "study-user-attrs", open: attrsOpen, ontoggle: (e) => { attrsOpen = e.target.open; } },
+          h("summary", `user attrs (${Object.keys(s.user_attrs).length})`), attrList(s.user_attrs))
+        : null,
     ].filter(Boolean));
     document.title = `fusetune · ${s.name}`;
   }

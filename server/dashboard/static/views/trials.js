@@ -1,7 +1,7 @@
 // The trials tab: the whole table, and the per-trial drawer (params, curve, the array it
 // trained in, its error if it failed, and a download of its weights).
 
-import { h, clear, fmtValue, fmtParam, fmtDate, fmtDuration, elapsed } from "../util.js";
+import { h, clear, attrList, fmtValue, fmtParam, fmtDate, fmtDuration, elapsed } from "../util.js";
 import { upChart } from "../charts.js";
 import { get, download, hasRoute } from "../api.js";
 import { trialsTable } from "./table.js";
@@ -42,7 +42,7 @@ export function trialDrawer(trialId, { onClose, onArray }) {
     const params = Object.entries(t.params).map(([k, v]) => [k, fmtParam(v)]);
     const dl = (pairs) => h("dl", ...pairs.flatMap(([k, v]) => [h("dt", k), h("dd", v)]));
     const steps = Object.keys(t.intermediate_values).map(Number).sort((a, b) => a - b);
-    const weights = t.user_attrs?.state_dict;
+    const { state_dict: weights, resumed_at_epochs: resumed, ...userAttrs } = t.user_attrs ?? {};
     const canDownload = hasRoute("GET", "/api/v1/trials/{trial_id}/state_dict");
     const chart = h("div.chart", { "data-chart": "trial-curve", style: { height: "200px" } });
     clear(body).append(...[
@@ -53,16 +53,17 @@ export function trialDrawer(trialId, { onClose, onArray }) {
         ["started", fmtDate(t.started_at)],
         ["duration", fmtDuration(elapsed(t.started_at, t.completed_at))],
         ["epochs", String(steps.length)],
-        ...(t.user_attrs?.resumed_at_epochs ? [["resumed at", t.user_attrs.resumed_at_epochs.join(", ")]] : []),
+        ...(resumed ? [["resumed at", Array.isArray(resumed) ? resumed.join(", ") : JSON.stringify(resumed)]] : []),
       ]),
       h("h3", "Params"), dl(params),
       h("h3", "Learning curve"), steps.length ? chart : h("p.muted", "No epoch reported yet."),
       t.error ? [h("h3", "Error"), h("pre.err", { "data-testid": "trial-error" }, t.error)] : null,
+      Object.keys(userAttrs).length ? [h("h3", "User attrs"), h("div", { "data-testid": "trial-user-attrs" }, attrList(userAttrs))] : null,
       h("h3", "Weights"),
       weights
         ? canDownload
           ? h("button.primary", { type: "button", onclick: () => download(`/api/v1/trials/${t.id}/state_dict`, `trial-${t.number}.pt`) }, "Download state_dict")
-          : h("p", "Saved at ", h("code", weights), " (a plain torch state_dict).")
+          : h("p", "Saved at ", h("code", String(weights)), " (a plain torch state_dict).")
         : h("p.muted", t.state === "COMPLETE" ? "No weights were saved." : "Weights are saved when the trial completes."),
     ].flat().filter(Boolean));
     if (steps.length) {
