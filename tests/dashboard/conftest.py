@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import secrets
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import running_service
+from tests.conftest import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -43,6 +45,8 @@ class Service:
     rival_token: str  # tenant "rival"
     client: Any
     rival: Any
+    admin_token: str  # sees every tenant's studies
+    database_url: str
     studies: dict[str, int] = field(default_factory=dict)
 
     def study(self, spec: dict[str, Any]) -> int:
@@ -58,6 +62,22 @@ class Service:
         return study_id
 
 
+@contextmanager
+def served(ray_address: str, database_url: str, **settings: Any) -> Iterator[tuple[str, str]]:
+    """A live uvicorn serving the whole service, as tests.conftest.running_service starts it;
+    yields its URL and its admin token (the pages are also opened as the admin)."""
+    from fusetune.server.cli import BackgroundServer
+    from fusetune.server.settings import Settings
+
+    admin_token = secrets.token_urlsafe(32)
+    config = Settings(database_url=database_url, port=free_port(), ray_address=ray_address, admin_token=admin_token, **settings)
+    server = BackgroundServer(config).start()
+    try:
+        yield server.url, admin_token
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def service(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     from fusetune.client import Client
@@ -67,10 +87,15 @@ def service(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         pytest.fail(f"{CHROMIUM} is missing: `make system-deps` installs Debian's chromium")
     root = tmp_path_factory.mktemp("dashboard")
     url = f"sqlite:///{root / 'fusetune.db'}"
-    with running_service(ray_cluster, url, cpu_workers=2, artifact_dir=root / "artifacts") as client:
+    with served(ray_cluster, url, cpu_workers=2, artifact_dir=root / "artifacts") as (server_url, admin_token):
+        with Client(server_url, token=admin_token) as admin:
+            token = admin.create_token("default", label="tests")["token"]
         rival_token = DatabaseTenants(url).create_tenant("rival")["token"]["token"]
-        with Client(client.url, token=rival_token) as rival:
-            yield Service(url=client.url, token=client.token, rival_token=rival_token, client=client, rival=rival)
+        with Client(server_url, token=token) as client, Client(server_url, token=rival_token) as rival:
+            yield Service(
+                url=server_url, token=token, rival_token=rival_token, client=client, rival=rival,
+                admin_token=admin_token, database_url=url,
+            )
 
 
 @pytest.fixture(scope="module")
