@@ -180,7 +180,8 @@ def payload_studies(service: Service) -> tuple[int, int]:
     failed = service.study(FAILED_STUDY)
     headers = {"Authorization": f"Bearer {service.token}"}
     for key, value in STUDY_ATTRS.items():
-        r = httpx.put(f"{service.url}/api/v1/studies/{study}/user_attrs/{quote(key, safe='')}", json={"value": value}, headers=headers)
+        url = f"{service.url}/api/v1/studies/{study}/user_attrs/{quote(key, safe='')}"
+        r = httpx.put(url, json={"value": value}, headers=headers)
         assert r.status_code == 200, r.text
     # A trial of the tenant's own, with payload user attrs and the payload width: it fails with
     # the payload in its error. Enqueued while the study is paused, so that the loop asks
@@ -200,7 +201,9 @@ def payload_studies(service: Service) -> tuple[int, int]:
     if asked >= client.study(study)["n_trials"]:
         client.update_study(study, n_trials=asked + 1)
     r = httpx.post(
-        f"{service.url}/api/v1/studies/{study}/trials", json={"params": {"hidden": IMG}, "user_attrs": TRIAL_ATTRS}, headers=headers
+        f"{service.url}/api/v1/studies/{study}/trials",
+        json={"params": {"hidden": IMG}, "user_attrs": TRIAL_ATTRS},
+        headers=headers,
     )
     assert r.status_code == 201, r.text
     client.resume_study(study)
@@ -249,7 +252,9 @@ def test_hostile_strings_render_as_text_on_every_view(service: Service, page: An
     failed_trials = service.client.trials(failed)
     params = list(SEARCH_SPACE)
     admin = {"Authorization": f"Bearer {service.admin_token}"}
-    importances = httpx.get(f"{service.url}/api/v1/studies/{study}/importances", params={"evaluator": "fanova"}, headers=admin).json()
+    importances = httpx.get(
+        f"{service.url}/api/v1/studies/{study}/importances", params={"evaluator": "fanova"}, headers=admin
+    ).json()
     assert {IMG, SVG, RICH} <= set(importances["importances"]), importances
 
     page.add_init_script(WATCH)
@@ -316,7 +321,9 @@ def test_hostile_strings_render_as_text_on_every_view(service: Service, page: An
         drawer.locator("text=Params").wait_for()
         number = int(rows.nth(i).get_attribute("data-number"))
         trial = next(t for t in trials if t["number"] == number)
-        page.wait_for_function("(n) => document.querySelector('[data-testid=drawer]')?.getAttribute('aria-label') === `Trial ${n}`", arg=number)
+        page.wait_for_function(
+            "(n) => document.querySelector('[data-testid=drawer]')?.getAttribute('aria-label') === `Trial ${n}`", arg=number
+        )
         text = drawer.text_content()
         for value in trial["params"].values():
             assert not isinstance(value, str) or value in text, (value, text)
@@ -369,7 +376,6 @@ def test_hostile_strings_render_as_text_on_every_view(service: Service, page: An
     show_tips("cluster")
     assert tips["cluster:shares"]["shown"] > 0 and tips["cluster:shares"]["texts"]
 
-    print("TIPS", json.dumps({k: (v["shown"], v["texts"][:2]) for k, v in tips.items()}, indent=1)); page.screenshot(path="/tmp/xss-shot.png", full_page=True)
     report = page.evaluate("window.__xssReport()")
     assert report == {"pwned": 0, "by": [], "injected": [], "violations": []}, report
     assert sum(t["shown"] for t in tips.values()) > 0
