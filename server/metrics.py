@@ -13,7 +13,11 @@ database holds is read when Prometheus scrapes, so those series are exactly the 
   since this process started (each is one ``ft_arrays.epochs_done`` step);
 * ``fusetune_http_request_duration_seconds{method, route, status}``: a histogram of the
   time from a request's arrival to its response's last byte (an event stream's: its
-  length), ``route`` being the route's path template (``unmatched`` for unknown paths).
+  length). Its labels take known values only, so no request can add series at will
+  (``/metrics`` is unauthenticated by default): ``method`` is one of :data:`METHODS`
+  (``other`` for any other token a client sends), ``route`` the path template of the
+  route the path matches, whatever the method (``unmatched`` for unknown paths), and
+  ``status`` the status the app answered.
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fusetune.server.db import Array, ArrayState, Study, StudyState, Trial, TrialState
+
+#: The request methods that label requests as themselves (RFC 9110's and PATCH); any other
+#: token a client sends is labelled ``other``.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"})
+#: The ``method`` label of a request whose method is not one of :data:`METHODS`.
+OTHER_METHOD = "other"
+#: The ``route`` label of a request whose path no route serves.
+UNMATCHED = "unmatched"
 
 
 class StateCollector:
@@ -103,17 +115,19 @@ class RequestMetrics:
     def __init__(self, app: ASGIApp, fastapi: FastAPI) -> None:
         self.app = app
         self.fastapi = fastapi
-        self._templates: list[tuple[re.Pattern[str], str, set[str]]] | None = None
+        self._templates: list[tuple[re.Pattern[str], str]] | None = None
 
-    def _route(self, method: str, path: str) -> str:
+    def _route(self, path: str) -> str:
+        """The template of the first route whose path matches (whatever its methods: a 405 on
+        a known path is labelled with it), else :data:`UNMATCHED`."""
         if self._templates is None:  # every route exists by the first request
             from fusetune.server.api.errors import route_table
 
-            self._templates = [(compile_path(p)[0], p, m) for p, m, _ in route_table(self.fastapi)]
-        for pattern, template, methods in self._templates:
-            if method in methods and pattern.match(path):
+            self._templates = [(compile_path(p)[0], p) for p, _, _ in route_table(self.fastapi)]
+        for pattern, template in self._templates:
+            if pattern.match(path):
                 return template
-        return "unmatched"
+        return UNMATCHED
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,8 +140,10 @@ class RequestMetrics:
             if not status["observed"]:
                 status["observed"] = True
                 metrics: Metrics = self.fastapi.state.metrics
-                route = self._route(scope["method"], scope["path"])
-                metrics.requests.labels(scope["method"], route, str(status["code"])).observe(time.perf_counter() - start)
+                method = scope["method"] if scope["method"] in METHODS else OTHER_METHOD
+                metrics.requests.labels(method, self._route(scope["path"]), str(status["code"])).observe(
+                    time.perf_counter() - start
+                )
 
         async def record(message: Message) -> None:
             if message["type"] == "http.response.start":
