@@ -1,89 +1,70 @@
 """Fractional allocation: the fairness policies, solved as linear programs with HiGHS.
 
-Unit of allocation: a *class* is the set of a tenant's trials that share one signature
-(they are interchangeable and fuse together).  ``x[c, g, k]`` is the (fractional) number
-of devices of type ``g`` that class ``c`` holds on average with array option ``k``; each
-such device runs one array of ``members[c, g, k]`` trials and yields ``rate[c, g, k]``
-units of *normalised* throughput (models·steps/s divided by the signature's best solo
-steps/s on any type, so one unfused trial on its best device type = 1.0, and different
-job types add up meaningfully).  Options are array sizes (1 = unfused, up to the sized
-B): the LP itself picks when to fuse -- spreading trials unfused while devices are
-plentiful (each trial runs at full speed) and fusing when devices are scarce.
+The instance (:class:`AllocationProblem`), utilities ``u_i``, equal shares ``s_i`` and the
+equal-share utilities ``e_i`` are defined in :mod:`scheduler._lp`.  Policies (all over
+``x`` with capacity ``Σ_c x[c,g] ≤ N_g`` and demand ``Σ_{g,k} members·x ≤ n_c``):
 
-Tenant ``i``'s utility is ``u_i(x) = Σ_{c∈i, g, k} rate[c,g,k] · x[c,g,k]``.  Its *equal share*
-is ``s_i = w_i / Σ_{active} w`` of every device type (a weight replicates the share), and
-``e_i`` is the best utility it could reach alone inside that share.
-
-Policies (all LPs over ``x`` with capacity ``Σ_c x[c,g] ≤ N_g`` and demand
-``Σ_{g,k} members[c,g,k] · x[c,g,k] ≤ n_c``):
-
-* ``max_min`` (Gavel, OSDI'20): maximise ``min_i u_i / e_i`` by water-filling (tenants
-  whose demand is met are frozen and the rest raised further), then maximise total
-  utility without lowering anyone's level.
-* ``oef`` (OEF, Middleware'24): maximise ``Σ_i u_i`` subject to sharing incentive
-  ``u_i ≥ e_i`` and envy-freeness ``v_i·a_i / w_i ≥ v_i·a_j / w_j`` for every tenant
-  ``i`` whose demand its equal share does not already meet (envy rows carry a heavily
-  penalised slack: exact whenever demand caps allow it), where ``a_i[g] = Σ_{c∈i}
-  x[c,g,k]`` is i's bundle and ``v_i[g] = max_{c∈i,k} rate[c,g,k]`` its per-device value.
-* ``oef_noncooperative``: as ``oef`` but envy-freeness must hold for *every* valuation,
-  i.e. per type ``a_i[g]/w_i ≥ a_j[g]/w_j``.  Unsaturated tenants' bundles then do not
-  depend on reported speed-ups at all, so misreporting cannot buy more devices
-  (strategy-proof); reports only decide how a tenant uses its own bundle.
+* ``max_min`` (our Gavel): maximise ``min_i u_i / e_i`` by water-filling (tenants whose
+  demand is met are frozen and the rest raised further), then maximise total utility
+  without lowering anyone's level.  Stronger than Gavel itself: ``e_i`` is the
+  heterogeneity-aware equal share and leftover capacity goes to whoever gains most.
+* ``max_min_paper`` (Gavel as published, ``MaxMinFairnessPolicyWithPerf``): one LP that
+  maximises ``min_i u_i / p_i``, where ``p_i`` is Gavel's own normaliser: the throughput of
+  an equal *time* share of every type, type-blind (:func:`proportional_utilities`).  No
+  water-filling, no efficiency stage.
+* ``oef`` (OEF, Middleware'24, cooperative): maximise ``Σ_i u_i`` subject to sharing
+  incentive ``u_i ≥ e_i`` and envy-freeness for the classes that are still short of
+  trials in the current solution, with one linear valuation per class.  Solved as a
+  short sequence of LPs (:func:`_oef`).
+* ``oef_noncooperative``: the strategy-proof fixed-price exchange of
+  :mod:`scheduler._exchange`.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 from scipy import sparse
-from scipy.optimize import linprog
 
-__all__ = ["AllocationProblem", "Allocation", "FairnessPolicy", "solve_allocation", "equal_share_utilities"]
+from fusetune.scheduler._exchange import exchange
+from fusetune.scheduler._lp import (
+    AllocationProblem,
+    EqualShare,
+    Vars,
+    active_tenants,
+    base_constraints,
+    best_use,
+    equal_share,
+    equal_share_utilities,
+    scatter,
+    shares,
+    short_classes,
+    solve_lp,
+    unmet_tenants,
+    utility_matrix,
+    variables,
+)
 
-FairnessPolicy = Literal["max_min", "oef", "oef_noncooperative"]
+__all__ = [
+    "AllocationProblem",
+    "Allocation",
+    "FairnessPolicy",
+    "solve_allocation",
+    "equal_share_utilities",
+    "proportional_utilities",
+]
+
+FairnessPolicy = Literal["max_min", "max_min_paper", "oef", "oef_noncooperative"]
+FAIRNESS_POLICIES: tuple[str, ...] = ("max_min", "max_min_paper", "oef", "oef_noncooperative")
 
 _TOL = 1e-7
 _ENVY_PENALTY = 1e3  # per unit of envy, relative to the largest per-device rate
-_SI_HEADROOM = 0.02  # aim 2% above the equal share where capacity allows
-_SI_PENALTY = 1e2  # per unit of missed headroom, relative to the largest per-device rate
+SI_HEADROOM = 0.02  # oef aims 2% above the equal share where capacity allows
+_SI_PENALTY = 1.0  # per unit of missed headroom utility: the headroom never costs more throughput than it buys
 _STICKINESS = 1e-3  # tie-break bonus for incumbent placements, relative to the mean rate
-
-
-@dataclass(frozen=True)
-class AllocationProblem:
-    """One round's allocation instance (arrays indexed by class ``c`` and type ``g``).
-
-    Attributes:
-        weights: (T,) tenant weights, > 0.
-        capacity: (G,) devices of each type.
-        class_tenant: (C,) tenant index of each class.
-        rate: (C, G, K) normalised throughput of one device of type g running class c
-            with array option k.
-        members: (C, G, K) trials such a device holds (0: option unusable).
-        demand: (C,) trials in the class (pending + running).
-    """
-
-    weights: np.ndarray
-    capacity: np.ndarray
-    class_tenant: np.ndarray
-    rate: np.ndarray
-    members: np.ndarray
-    demand: np.ndarray
-
-    @property
-    def n_tenants(self) -> int:
-        return int(self.weights.shape[0])
-
-    @property
-    def n_classes(self) -> int:
-        return int(self.class_tenant.shape[0])
-
-    @property
-    def n_types(self) -> int:
-        return int(self.capacity.shape[0])
+_OEF_PASSES = 8  # bound on oef's re-solves (each class gains rows, then freezes, once)
 
 
 @dataclass(frozen=True)
@@ -110,121 +91,16 @@ class Allocation:
     solver_seconds: float
 
 
-@dataclass(frozen=True)
-class _Vars:
-    """The usable LP variables: (class, type, option) triples with their rate/members."""
-
-    cls: np.ndarray
-    typ: np.ndarray
-    opt: np.ndarray
-    rate: np.ndarray
-    members: np.ndarray
-
-    @property
-    def size(self) -> int:
-        return int(self.cls.shape[0])
+def _with_t(a: sparse.spmatrix) -> sparse.csr_matrix:
+    """``a`` with one more (zero) column for the level variable t."""
+    return sparse.hstack([a, sparse.csr_matrix((a.shape[0], 1))]).tocsr()
 
 
-def _variables(p: AllocationProblem) -> _Vars:
-    """Usable variables: members > 0, rate > 0 and the class has demand."""
-    usable = (p.members > 0) & (p.rate > 0) & (p.demand[:, None, None] > 0)
-    cls, typ, opt = np.nonzero(usable)
-    return _Vars(cls, typ, opt, p.rate[cls, typ, opt], p.members[cls, typ, opt].astype(float))
-
-
-def _scatter(p: AllocationProblem, v: _Vars, sol: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(C, G) devices and (C, G) trials held, from a solution vector over ``v``."""
-    x = np.zeros((p.n_classes, p.n_types))
-    held = np.zeros((p.n_classes, p.n_types))
-    np.add.at(x, (v.cls, v.typ), sol)
-    np.add.at(held, (v.cls, v.typ), sol * v.members)
-    return x, held
-
-
-def _base_constraints(
-    p: AllocationProblem, v: _Vars, caps: np.ndarray, per_tenant_caps: bool
-) -> tuple[sparse.csr_matrix, np.ndarray]:
-    """Capacity rows (per type, or per tenant×type) followed by per-class demand rows."""
-    n = v.size
-    cols = np.arange(n)
-    if per_tenant_caps:
-        cap_rows = p.class_tenant[v.cls] * p.n_types + v.typ
-        n_cap = p.n_tenants * p.n_types
-    else:
-        cap_rows = v.typ
-        n_cap = p.n_types
-    rows = np.concatenate([cap_rows, n_cap + v.cls])
-    data = np.concatenate([np.ones(n), v.members])
-    a = sparse.csr_matrix((data, (rows, np.concatenate([cols, cols]))), shape=(n_cap + p.n_classes, n))
-    b = np.concatenate([caps.ravel(), p.demand.astype(float)])
-    return a, b
-
-
-def _utility_matrix(p: AllocationProblem, v: _Vars) -> sparse.csr_matrix:
-    """(T, n) matrix U with u = U @ x."""
-    return sparse.csr_matrix((v.rate, (p.class_tenant[v.cls], np.arange(v.size))), shape=(p.n_tenants, v.size))
-
-
-def _shares(p: AllocationProblem) -> np.ndarray:
-    """Weighted equal share s_i among tenants with demand (0 for idle tenants)."""
-    active = np.zeros(p.n_tenants, dtype=bool)
-    active[p.class_tenant[p.demand > 0]] = True
-    w = np.where(active, p.weights, 0.0)
-    total = w.sum()
-    return w / total if total > 0 else w
-
-
-def _linprog(
-    c: np.ndarray,
-    a_ub: sparse.spmatrix,
-    b_ub: np.ndarray,
-    a_eq: sparse.spmatrix | None = None,
-    b_eq: np.ndarray | None = None,
-) -> tuple[np.ndarray | None, float]:
-    """Minimise c·x s.t. A x <= b (and A_eq x = b_eq), x >= 0 with HiGHS.
-
-    Returns (solution or None, seconds).
-    """
-    t0 = time.perf_counter()
-    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
-    return (res.x if res.status == 0 else None), time.perf_counter() - t0
-
-
-def _unmet_tenants(p: AllocationProblem, v: _Vars, held: np.ndarray) -> np.ndarray:
-    """(T,) True where some runnable class of the tenant holds fewer trials than it has."""
-    runnable = np.zeros(p.n_classes, dtype=bool)
-    runnable[v.cls] = True  # a class that fits no device type cannot want more devices
-    unmet = runnable & (p.demand - held.sum(axis=1) > 1e-6 * np.maximum(1.0, p.demand))
-    out = np.zeros(p.n_tenants, dtype=bool)
-    out[p.class_tenant[unmet]] = True
-    return out
-
-
-def equal_share_utilities(p: AllocationProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """e_i for every tenant, the (C, G) equal-share devices, saturation flags and time.
-
-    All tenants are solved in one block-diagonal LP: blocks are independent, so the
-    optimum of the sum is the optimum of each block.
-    """
-    v = _variables(p)
-    share = _shares(p)
-    if v.size == 0:
-        return np.zeros(p.n_tenants), np.zeros((p.n_classes, p.n_types)), np.ones(p.n_tenants, dtype=bool), 0.0
-    caps = share[:, None] * p.capacity[None, :]
-    a, b = _base_constraints(p, v, caps, per_tenant_caps=True)
-    sol, secs = _linprog(-v.rate, a, b)
-    if sol is None:  # pragma: no cover - HiGHS does not fail on this always-feasible LP
-        raise RuntimeError("equal-share LP failed")
-    y, held = _scatter(p, v, sol)
-    e = _utility_matrix(p, v) @ sol
-    return e, y, ~_unmet_tenants(p, v, held), secs
-
-
-def _max_min(p: AllocationProblem, v: _Vars, e: np.ndarray, prefer: np.ndarray) -> tuple[np.ndarray | None, float]:
+def _max_min(p: AllocationProblem, v: Vars, e: np.ndarray, prefer: np.ndarray) -> tuple[np.ndarray | None, float]:
     """Water-filling weighted max-min of u_i / e_i, then a total-utility stage."""
     n = v.size
-    u_mat = _utility_matrix(p, v)
-    base_a, base_b = _base_constraints(p, v, p.capacity.astype(float), per_tenant_caps=False)
+    u_mat = utility_matrix(p, v)
+    base_a, base_b = base_constraints(p, v, p.capacity.astype(float), per_tenant_caps=False)
     tenants = np.flatnonzero(e > _TOL)
     level = np.zeros(p.n_tenants)  # frozen minimum u_i / e_i
     frozen = np.zeros(p.n_tenants, dtype=bool)
@@ -235,25 +111,22 @@ def _max_min(p: AllocationProblem, v: _Vars, e: np.ndarray, prefer: np.ndarray) 
         if active.size == 0:
             break
         # Variables [x, t]; maximise t s.t. -u_i + t e_i <= 0 (active), -u_i <= -level_i e_i (frozen).
-        rows = [sparse.hstack([base_a, sparse.csr_matrix((base_a.shape[0], 1))])]
-        rhs = [base_b]
-        rows.append(sparse.hstack([-u_mat[active], sparse.csr_matrix(e[active][:, None])]))
-        rhs.append(np.zeros(active.size))
+        rows = [_with_t(base_a), sparse.hstack([-u_mat[active], sparse.csr_matrix(e[active][:, None])])]
+        rhs = [base_b, np.zeros(active.size)]
         fz = tenants[frozen[tenants]]
         if fz.size:
-            rows.append(sparse.hstack([-u_mat[fz], sparse.csr_matrix((fz.size, 1))]))
+            rows.append(_with_t(-u_mat[fz]))
             rhs.append(-(level[fz] * e[fz]) * (1 - 1e-8))
         obj = np.zeros(n + 1)
         obj[-1] = -1.0
-        sol, s = _linprog(obj, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
+        sol, s = solve_lp(obj, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
         secs += s
         if sol is None:
             break
         x, t = sol[:n], sol[-1]
         # Tenants whose every class is fully served cannot rise further: freeze them at
         # what they got and water-fill the rest.
-        _, held = _scatter(p, v, x)
-        unmet = _unmet_tenants(p, v, held)
+        unmet = unmet_tenants(p, v, scatter(p, v, x)[1])
         newly = active[~unmet[active]]
         level[active] = t
         if newly.size == 0:
@@ -266,111 +139,160 @@ def _max_min(p: AllocationProblem, v: _Vars, e: np.ndarray, prefer: np.ndarray) 
     lv = np.maximum(level[tenants], 0.0)
     a = sparse.vstack([base_a, -u_mat[tenants]]).tocsr()
     b = np.concatenate([base_b, -(lv * e[tenants]) * (1 - 1e-8)])
-    sol, s = _linprog(-v.rate - prefer, a, b)
+    sol, s = solve_lp(-v.rate - prefer, a, b)
     secs += s
     return (sol if sol is not None else x), secs
 
 
-def _oef(
-    p: AllocationProblem,
-    v: _Vars,
-    e: np.ndarray,
-    saturated: np.ndarray,
-    noncooperative: bool,
-    prefer: np.ndarray,
-) -> tuple[np.ndarray | None, float]:
-    """Max total utility s.t. sharing incentive and (weighted) envy-freeness."""
-    n = v.size
+def proportional_utilities(p: AllocationProblem) -> np.ndarray:
+    """Gavel's normaliser ``p_i``: the utility of an equal time share, type-blind.
+
+    Gavel's ``ProportionalPolicy`` gives every job the same fraction of every worker
+    type, in proportion to the type's count, at most one device at a time.  Per tenant:
+    its weighted share ``s_i`` of all devices, capped by the trials it has (one device
+    each, unfused), spread over the types as the cluster is and over its classes as its
+    trials are.  No heterogeneity awareness: a tenant whose jobs fly on V100s is
+    normalised by what the average device gives it.
+    """
+    solo = np.where(p.members == 1, p.rate, 0.0).max(axis=2)  # (C, G) unfused rate
+    trials = np.bincount(p.class_tenant, weights=p.demand, minlength=p.n_tenants)
+    devices = np.minimum(trials, shares(p) * p.capacity.sum())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_trial = np.where(trials > 0, devices / trials, 0.0)  # devices per trial
+    mix = p.capacity / max(p.capacity.sum(), 1e-12)
+    value = p.demand * per_trial[p.class_tenant] * (solo @ mix)
+    return np.bincount(p.class_tenant, weights=value, minlength=p.n_tenants)
+
+
+def _max_min_paper(p: AllocationProblem, v: Vars) -> tuple[np.ndarray | None, float]:
+    """Gavel's single LP: maximise t s.t. u_i >= t·p_i, capacity and demand."""
+    norm = proportional_utilities(p)
+    tenants = np.flatnonzero(norm > _TOL)
+    base_a, base_b = base_constraints(p, v, p.capacity.astype(float), per_tenant_caps=False)
+    level = sparse.hstack([-utility_matrix(p, v)[tenants], sparse.csr_matrix(norm[tenants][:, None])])
+    obj = np.zeros(v.size + 1)
+    obj[-1] = -1.0
+    sol, secs = solve_lp(obj, sparse.vstack([_with_t(base_a), level]).tocsr(), np.concatenate([base_b, np.zeros(tenants.size)]))
+    return (sol[: v.size] if sol is not None else None), secs
+
+
+def _class_values(p: AllocationProblem, v: Vars) -> np.ndarray:
+    """(C, G) OEF's linear valuation per class: a device's best rate for the class."""
+    value = np.zeros((p.n_classes, p.n_types))
+    np.maximum.at(value, (v.cls, v.typ), v.rate)
+    return value
+
+
+def _envy_rows(
+    p: AllocationProblem, v: Vars, enviers: np.ndarray
+) -> tuple[sparse.csr_matrix, np.ndarray]:
+    """Envy rows over the bundles a[j, g] (a (m, T*G) matrix) and each row's tenant.
+
+    One row per (short class c of tenant i, other active tenant j):
+    ``Σ_g v_c[g] (a_j[g]/w_j − a_i[g]/w_i) ≤ slack_i``: class c would not rather have
+    j's (weight-scaled) bundle than its own tenant's.
+    """
     T, G = p.n_tenants, p.n_types
-    u_mat = _utility_matrix(p, v)
-    base_a, base_b = _base_constraints(p, v, p.capacity.astype(float), per_tenant_caps=False)
-    owner = p.class_tenant[v.cls]
-    # Bundle per tenant and type, a[i,g] = Σ_{c∈i,k} x[c,g,k], as a (T*G, n) linear map.
-    bundle = sparse.csr_matrix((np.ones(n), (owner * G + v.typ, np.arange(n))), shape=(T * G, n))
-    active = np.zeros(T, dtype=bool)
-    active[p.class_tenant[p.demand > 0]] = True
-    value = np.zeros((T, G))
-    np.maximum.at(value, (owner, v.typ), v.rate)
     w = p.weights.astype(float)
-    # Sharing incentive with headroom: u_i >= (1 + h) e_i - z_i with 0 <= z_i <= h e_i,
-    # so u_i >= e_i always and, where capacity allows, a little more.  The headroom
-    # absorbs the integer rounding of later rounds (a realised share that dips below
-    # the fractional one), the shortfall z is penalised between throughput and envy.
-    act = np.flatnonzero(active)
-    n_z = act.size
+    value = _class_values(p, v)
+    others = np.flatnonzero(active_tenants(p))
+    cc, jj = np.meshgrid(np.flatnonzero(enviers), others, indexing="ij")
+    ii = p.class_tenant[cc]
+    keep = ii != jj
+    cc, jj, ii = cc[keep], jj[keep], ii[keep]
+    m = cc.size
+    r = np.repeat(np.arange(m), G)
+    g = np.tile(np.arange(G), m)
+    vc = value[np.repeat(cc, G), g]
+    coef = sparse.csr_matrix(
+        (
+            np.concatenate([-vc / w[np.repeat(ii, G)], vc / w[np.repeat(jj, G)]]),
+            (np.concatenate([r, r]), np.concatenate([np.repeat(ii, G) * G + g, np.repeat(jj, G) * G + g])),
+        ),
+        shape=(m, T * G),
+    )
+    return coef, ii
+
+
+def _oef_lp(
+    p: AllocationProblem, v: Vars, e: np.ndarray, enviers: np.ndarray, frozen: np.ndarray, prefer: np.ndarray
+) -> tuple[np.ndarray | None, float]:
+    """One OEF LP over [x, z, a, s]: max Σu − penalties, s.t. SI, envy rows, frozen demand.
+
+    ``z_i`` is tenant i's missed sharing-incentive headroom (``u_i ≥ (1 + h) e_i − z_i``,
+    ``0 ≤ z_i ≤ h e_i``: so ``u_i ≥ e_i`` always and a little more where capacity allows;
+    the headroom absorbs later rounds' integer rounding).  ``a`` are the bundles, tied to
+    x by equalities so each envy row touches 2G entries.  ``s_i ≥ 0`` is tenant i's envy
+    slack: demand caps can make exact envy-freeness and sharing incentive jointly
+    infeasible, so envy is penalised (above any throughput) rather than forbidden.
+    Classes in ``frozen`` hold all their trials.
+    """
+    n, T, G = v.size, p.n_tenants, p.n_types
+    act = np.flatnonzero(active_tenants(p))
+    coef, row_tenant = _envy_rows(p, v, enviers)
+    slack_tenants = np.unique(row_tenant)
+    slack_col = np.searchsorted(slack_tenants, row_tenant)
+    n_z, n_a, n_s, m = act.size, T * G, slack_tenants.size, coef.shape[0]
+    width = n + n_z + n_a + n_s
+
+    def block(a: sparse.spmatrix, col: int) -> sparse.csr_matrix:
+        """``a`` placed at column ``col`` of a full-width row block."""
+        parts = [sparse.csr_matrix((a.shape[0], col)), a, sparse.csr_matrix((a.shape[0], width - col - a.shape[1]))]
+        return sparse.hstack(parts).tocsr()
+
+    base_a, base_b = base_constraints(p, v, p.capacity.astype(float), per_tenant_caps=False)
     eye_z = sparse.identity(n_z, format="csr")
-    rows: list[sparse.spmatrix] = [
-        sparse.hstack([base_a, sparse.csr_matrix((base_a.shape[0], n_z))]),
-        sparse.hstack([-u_mat[act], -eye_z]),
-        sparse.hstack([sparse.csr_matrix((n_z, n)), eye_z]),
+    held = sparse.csr_matrix((v.members, (v.cls, np.arange(n))), shape=(p.n_classes, n))[np.flatnonzero(frozen)]
+    slack = sparse.csr_matrix((np.full(m, -1.0), (np.arange(m), slack_col)), shape=(m, n_s))
+    ub = [
+        block(base_a, 0),
+        sparse.hstack([-utility_matrix(p, v)[act], -eye_z, sparse.csr_matrix((n_z, n_a + n_s))]).tocsr(),
+        block(eye_z, n),
+        block(sparse.hstack([coef, slack]), n + n_z),
+        block(-held, 0),
     ]
-    rhs: list[np.ndarray] = [base_b, -((1 + _SI_HEADROOM) * e[act] - _TOL), _SI_HEADROOM * e[act]]
-    si_penalty = _SI_PENALTY * max(1.0, float(v.rate.max()))
-    x_obj = np.concatenate([-v.rate - prefer, np.full(n_z, si_penalty)])
-    n_x = n + n_z
-    enviers = np.flatnonzero(active & ~saturated)
-    others = np.flatnonzero(active)
-    if enviers.size and others.size > 1:
-        pairs_i, pairs_j = np.meshgrid(enviers, others, indexing="ij")
-        keep = pairs_i != pairs_j
-        pi, pj = pairs_i[keep], pairs_j[keep]
-        if noncooperative:
-            # One row per (i, j, g): a_j[g]/w_j - a_i[g]/w_i <= 0.
-            pi_g = np.repeat(pi, G)
-            pj_g = np.repeat(pj, G)
-            gg = np.tile(np.arange(G), pi.size)
-            # A type the envier cannot use at all is worthless to it under any valuation.
-            usable = value[pi_g, gg] > 0
-            pi_g, pj_g, gg = pi_g[usable], pj_g[usable], gg[usable]
-            m = pi_g.size
-            coef = sparse.csr_matrix(
-                (
-                    np.concatenate([np.full(m, -1.0) / w[pi_g], np.full(m, 1.0) / w[pj_g]]),
-                    (np.concatenate([np.arange(m)] * 2), np.concatenate([pi_g * G + gg, pj_g * G + gg])),
-                ),
-                shape=(m, T * G),
-            )
-        else:
-            # One row per (i, j): Σ_g v_i[g] (a_j[g]/w_j - a_i[g]/w_i) <= 0.
-            m = pi.size
-            r = np.repeat(np.arange(m), G)
-            gi = np.tile(np.arange(G), m)
-            vi = value[np.repeat(pi, G), gi]
-            coef = sparse.csr_matrix(
-                (
-                    np.concatenate([-vi / w[np.repeat(pi, G)], vi / w[np.repeat(pj, G)]]),
-                    (np.concatenate([r, r]), np.concatenate([np.repeat(pi, G) * G + gi, np.repeat(pj, G) * G + gi])),
-                ),
-                shape=(m, T * G),
-            )
-        # The bundles a[i, g] get variables of their own (tied to x by equalities) so each
-        # envy row touches 2G bundle entries instead of every variable of two tenants.
-        # Demand caps can make exact envy-freeness and sharing incentive jointly
-        # infeasible (a tenant that can use only 3 devices "envies" a 4-device bundle it
-        # could not use), so every envier i gets one slack s_i >= its envy of anyone,
-        # with a penalty that dominates any throughput gain: the LP always has a
-        # solution, is exactly envy-free whenever demand allows, and otherwise minimises
-        # the envy.
-        n_a = T * G
-        slack_of = {int(i): k for k, i in enumerate(enviers)}
-        m = coef.shape[0]
-        row_envier = pi if not noncooperative else pi_g
-        n_s = enviers.size
-        s_col = sparse.csr_matrix(
-            (np.full(m, -1.0), (np.arange(m), [slack_of[int(i)] for i in row_envier])), shape=(m, n_s)
-        )
-        ub = [sparse.hstack([r, sparse.csr_matrix((r.shape[0], n_a + n_s))]) for r in rows]
-        ub.append(sparse.hstack([sparse.csr_matrix((m, n_x)), coef, s_col]))
-        rhs.append(np.full(m, _TOL))
-        a_eq = sparse.hstack(
-            [bundle, sparse.csr_matrix((n_a, n_z)), -sparse.identity(n_a, format="csr"), sparse.csr_matrix((n_a, n_s))]
-        ).tocsr()
-        penalty = _ENVY_PENALTY * max(1.0, float(v.rate.max()))
-        obj = np.concatenate([x_obj, np.zeros(n_a), np.full(n_s, penalty)])
-        sol, secs = _linprog(obj, sparse.vstack(ub).tocsr(), np.concatenate(rhs), a_eq, np.zeros(n_a))
-        return (sol[:n] if sol is not None else None), secs
-    sol, secs = _linprog(x_obj, sparse.vstack(rows).tocsr(), np.concatenate(rhs))
+    rhs = [
+        base_b, -((1 + SI_HEADROOM) * e[act] - _TOL), SI_HEADROOM * e[act], np.full(m, _TOL),
+        -p.demand[frozen] * (1 - 1e-6),
+    ]
+    owner = p.class_tenant[v.cls]
+    bundle = sparse.csr_matrix((np.ones(n), (owner * G + v.typ, np.arange(n))), shape=(n_a, n))
+    a_eq = sparse.hstack([bundle, sparse.csr_matrix((n_a, n_z)), -sparse.identity(n_a), sparse.csr_matrix((n_a, n_s))])
+    top = max(1.0, float(v.rate.max()))
+    obj = np.concatenate([-v.rate - prefer, np.full(n_z, _SI_PENALTY), np.zeros(n_a), np.full(n_s, _ENVY_PENALTY * top)])
+    sol, secs = solve_lp(obj, sparse.vstack(ub).tocsr(), np.concatenate(rhs), a_eq.tocsr(), np.zeros(n_a))
     return (sol[:n] if sol is not None else None), secs
+
+
+def _oef(p: AllocationProblem, v: Vars, es: EqualShare, prefer: np.ndarray) -> tuple[np.ndarray | None, float]:
+    """OEF with envy rows only for classes still short, re-solved as classes fill up.
+
+    A class can envy only while it has trials waiting: a fully served class could not
+    use another bundle.  The rows start with the classes their equal share cannot hold.
+    After each solve, a class with rows that the solution now serves in full is frozen
+    (held in full from then on, its rows dropped: water-filling), and a class that the
+    solution leaves short gets rows.  Each class moves none → rows → frozen at most
+    once, so this ends; keeping a tenant's rows after it is served would cap the others
+    at what it can use and leave devices idle.
+    """
+    enviers = es.short.copy()
+    frozen = np.zeros(p.n_classes, dtype=bool)
+    secs = 0.0
+    x: np.ndarray | None = None
+    for _ in range(_OEF_PASSES):
+        sol, s = _oef_lp(p, v, es.utility, enviers & ~frozen, frozen, prefer)
+        secs += s
+        if sol is None:
+            break
+        x = sol
+        short = short_classes(p, v, scatter(p, v, x)[1])
+        served = enviers & ~frozen & ~short
+        newly_short = short & ~enviers
+        if not served.any() and not newly_short.any():
+            break
+        frozen |= served
+        enviers |= newly_short
+    return x, secs
 
 
 def solve_allocation(
@@ -382,15 +304,15 @@ def solve_allocation(
 
     ``incumbent`` (C, G) marks where classes run now; among allocations of (nearly)
     equal value the LP then prefers those, so degenerate LPs do not reshuffle devices
-    from one round to the next (a tie-break worth 0.1% of a device's rate).
+    from one round to the next (a tie-break worth 0.1% of a device's rate; Gavel's
+    published LP has none and gets none).
 
     If HiGHS fails (numerically degenerate instance), the equal-share solution is used:
     it is always feasible and satisfies the sharing incentive.
     """
-    if policy not in ("max_min", "oef", "oef_noncooperative"):
+    if policy not in FAIRNESS_POLICIES:
         raise ValueError(f"unknown fairness policy {policy!r}")
-    v = _variables(p)
-    sol: np.ndarray | None = None
+    v = variables(p)
     prefer = np.zeros(v.size)
     if incumbent is not None and v.size:
         prefer = _STICKINESS * float(v.rate.mean()) * (np.asarray(incumbent)[v.cls, v.typ] > 0)
@@ -399,38 +321,39 @@ def solve_allocation(
         # and envy-freeness hold for any allocation and every policy is the max-utility LP
         # over the whole cluster, the equal-share LP itself: solved once (with the incumbent
         # tie-break) instead of twice. A sweep of one user pays this every scheduling round.
-        caps = _shares(p)[:, None] * p.capacity[None, :]
-        a, b = _base_constraints(p, v, caps, per_tenant_caps=True)
-        sol, secs = _linprog(-(v.rate + prefer), a, b)
+        a, b = base_constraints(p, v, shares(p)[:, None] * p.capacity[None, :], per_tenant_caps=True)
+        sol, secs = solve_lp(-(v.rate + prefer), a, b)
         if sol is not None:
             sol = np.maximum(sol, 0.0)
-            x, held = _scatter(p, v, sol)
-            e = np.asarray(_utility_matrix(p, v) @ sol).ravel()
-            return _allocation(p, v, sol, x, held, e, ~_unmet_tenants(p, v, held), secs)
-    e, _, saturated, secs = equal_share_utilities(p)
+            e = np.asarray(utility_matrix(p, v) @ sol).ravel()
+            return _allocation(p, v, sol, e, ~unmet_tenants(p, v, scatter(p, v, sol)[1]), secs)
+    es = equal_share(p, v)
+    secs = es.seconds
+    sol: np.ndarray | None = None
     if v.size:
         if policy == "max_min":
-            sol, s = _max_min(p, v, e, prefer)
+            sol, s = _max_min(p, v, es.utility, prefer)
+        elif policy == "max_min_paper":
+            sol, s = _max_min_paper(p, v)
+        elif policy == "oef":
+            sol, s = _oef(p, v, es, prefer)
         else:
-            noncoop = policy == "oef_noncooperative"
-            sol, s = _oef(p, v, e, saturated, noncoop, prefer)
+            sol, s = exchange(p, v)
         secs += s
         if sol is None:
             # Re-solve the equal-share LP's vector form (cheap, always feasible).
-            caps = _shares(p)[:, None] * p.capacity[None, :]
-            a, b = _base_constraints(p, v, caps, per_tenant_caps=True)
-            sol, s = _linprog(-v.rate, a, b)
+            sol, s = best_use(p, v, shares(p)[:, None] * p.capacity[None, :])
             secs += s
     sol = np.maximum(sol, 0.0) if sol is not None else np.zeros(v.size)
-    x, held = _scatter(p, v, sol)
-    return _allocation(p, v, sol, x, held, e, saturated, secs)
+    return _allocation(p, v, sol, es.utility, es.saturated, secs)
 
 
 def _allocation(
-    p: AllocationProblem, v: _Vars, sol: np.ndarray, x: np.ndarray, held: np.ndarray,
-    e: np.ndarray, saturated: np.ndarray, secs: float,
+    p: AllocationProblem, v: Vars, sol: np.ndarray, e: np.ndarray, saturated: np.ndarray, secs: float
 ) -> Allocation:
-    u = np.asarray(_utility_matrix(p, v) @ sol).ravel() if v.size else np.zeros(p.n_tenants)
+    """Package a solution vector over ``v`` as an :class:`Allocation`."""
+    x, held = scatter(p, v, sol)
+    u = np.asarray(utility_matrix(p, v) @ sol).ravel() if v.size else np.zeros(p.n_tenants)
     with np.errstate(divide="ignore", invalid="ignore"):
         members = np.where(x > 1e-9, held / np.where(x > 1e-9, x, 1.0), 0.0)
     return Allocation(
@@ -439,6 +362,6 @@ def _allocation(
         utility=u,
         equal_share=e,
         saturated=saturated,
-        unmet=_unmet_tenants(p, v, held),
+        unmet=unmet_tenants(p, v, held),
         solver_seconds=secs,
     )

@@ -7,7 +7,6 @@ running arrays; only the clock and the devices differ.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -18,12 +17,13 @@ import numpy as np
 
 from fusetune.scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy, solve_allocation
 from fusetune.scheduler._packing import PendingTrial
+from fusetune.scheduler._rounding import Rounding
 from fusetune.scheduler._throughput import SpeedupCurve, ThroughputModel
 from fusetune.scheduler._types import Decision, Device, Placement, Tenant
 
 __all__ = ["Scheduler", "PolicyName", "POLICIES", "make_scheduler"]
 
-PolicyName = Literal["fifo", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"]
+PolicyName = Literal["fifo", "gavel-paper", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class _Preset:
 
 POLICIES: Mapping[str, _Preset] = {
     "fifo": _Preset(None, False),
+    "gavel-paper": _Preset("max_min_paper", False),
     "gavel": _Preset("max_min", False),
     "oef": _Preset("oef", False),
     "oef-noncooperative": _Preset("oef_noncooperative", False),
@@ -41,17 +42,59 @@ POLICIES: Mapping[str, _Preset] = {
     "fusetune": _Preset("oef", True),
 }
 
-_CARRY_LIMIT = 3.0  # bounds how much past over/under-service a class can bank
-_HYSTERESIS = 0.5  # device-rounds of debt another class needs to take a spare device over
 _DEBT_LIMIT = 0.5  # a tenant can be owed at most half a round's equal-share utility
+
+Class = tuple[str, str]
+Running = tuple[Placement, Device, list[int]]
+
+
+def _index_trials(trials: Sequence[PendingTrial]) -> dict[int, PendingTrial]:
+    """Trials by id; a duplicate id is the caller's bug."""
+    by_id: dict[int, PendingTrial] = {}
+    for t in trials:
+        if t.trial_id in by_id:
+            raise ValueError(f"duplicate trial_id {t.trial_id}")
+        by_id[t.trial_id] = t
+    return by_id
+
+
+def _class_members(trials: Sequence[PendingTrial]) -> dict[Class, list[int]]:
+    """Classes, a tenant's interchangeable trials (same signature), by priority then age."""
+    order = {t.trial_id: i for i, t in enumerate(trials)}
+    members_of: dict[Class, list[int]] = {}
+    for t in sorted(trials, key=lambda t: (-t.priority, order[t.trial_id])):
+        members_of.setdefault((t.tenant, t.signature), []).append(t.trial_id)
+    return members_of
+
+
+def _alive(
+    running: Sequence[Placement], by_id: Mapping[int, PendingTrial], device_by_id: Mapping[str, Device]
+) -> tuple[list[Running], set[int]]:
+    """Running arrays whose device and trials still exist, and the trials they hold."""
+    current: list[Running] = []
+    busy: set[int] = set()
+    used_devices: set[str] = set()
+    for p in running:
+        d = device_by_id.get(p.device_id)
+        alive = [i for i in p.trial_ids if i in by_id and i not in busy]
+        if d is None or not alive or p.device_id in used_devices:
+            continue
+        if any((by_id[i].tenant, by_id[i].signature) != (p.tenant, p.signature) for i in alive):
+            # The caller's record disagrees with the trials (e.g. a trial was re-keyed):
+            # treat the array as gone so its trials are placed afresh, never mixed.
+            continue
+        used_devices.add(p.device_id)
+        busy.update(alive)
+        current.append((p, d, alive))
+    return current, busy
 
 
 class Scheduler:
     """Decides, each round, which arrays run on which devices.
 
     Args:
-        fairness: LP policy for the fractional allocation (``"max_min"``, ``"oef"``,
-            ``"oef_noncooperative"``), or None for FIFO (arrival order, first free device,
+        fairness: policy for the fractional allocation (``"max_min"``,
+            ``"max_min_paper"``, ``"oef"``, ``"oef_noncooperative"``), or None for FIFO (arrival order, first free device,
             arrays run to completion -- the Ray Tune way).
         fusion: whether trials of equal signature are fused (B chosen per device type by
             :meth:`ThroughputModel.array_size`); False runs one trial per device.
@@ -62,6 +105,11 @@ class Scheduler:
             LP still picks smaller arrays (down to unfused) whenever devices are free, so
             this only caps how far fusion may go when devices are scarce.
         lease_seconds: how long a placement is guaranteed once granted or extended.
+        backfill: whether devices the allocation leaves idle are filled with waiting
+            trials (work conservation).  Off, the placements follow the allocation alone,
+            as an LP policy defines it (``gavel-paper`` without backfill in the simulator).
+        prices: public price of one device per type, for ``oef_noncooperative``'s
+            exchanges (never from tenants' reports; all equal when None).
     """
 
     def __init__(
@@ -73,6 +121,8 @@ class Scheduler:
         max_members: int = 16,
         min_member_efficiency: float = 0.3,
         lease_seconds: float = 360.0,
+        backfill: bool = True,
+        prices: Mapping[str, float] | None = None,
     ) -> None:
         if max_members < 1:
             raise ValueError(f"max_members must be >= 1, got {max_members}")
@@ -86,6 +136,8 @@ class Scheduler:
         self.max_members = max_members if fusion else 1
         self.min_member_efficiency = min_member_efficiency
         self.lease_seconds = lease_seconds
+        self.backfill = backfill
+        self.prices = dict(prices) if prices is not None else None
         # Cumulative (allocated - placed) devices per (class, type): rounding debt that
         # later rounds repay, so small fractional shares are honoured over time.
         self._carry: dict[tuple[tuple[str, str], str], float] = {}
@@ -149,6 +201,7 @@ class Scheduler:
             rate=rate,
             members=members,
             demand=dem,
+            prices=np.array([self.prices.get(g, 1.0) for g in types]) if self.prices is not None else None,
         )
         return problem, types, members
 
@@ -175,64 +228,31 @@ class Scheduler:
         Returns:
             A :class:`Decision`.  Invariants: at most one array per device, arrays only
             hold trials of one tenant and one signature, no more members than the device's
-            memory allows, and no device is left idle while a waiting trial fits on it.
+            memory allows, and (with backfill, the default) no device is left idle while
+            a waiting trial fits on it.
         """
         t_start = time.perf_counter()
-        by_id: dict[int, PendingTrial] = {}
-        for t in trials:
-            if t.trial_id in by_id:
-                raise ValueError(f"duplicate trial_id {t.trial_id}")
-            by_id[t.trial_id] = t
+        by_id = _index_trials(trials)
         weights: dict[str, float] = {t.name: t.weight for t in tenants}
         for t in trials:
             weights.setdefault(t.tenant, 1.0)
         device_by_id = {d.device_id: d for d in devices}
         if len(device_by_id) != len(devices):
             raise ValueError("duplicate device_id in devices")
-
-        # Classes: a tenant's interchangeable trials (same signature), deterministic order.
-        order = {t.trial_id: i for i, t in enumerate(trials)}
-        members_of: dict[tuple[str, str], list[int]] = {}
-        for t in sorted(trials, key=lambda t: (-t.priority, order[t.trial_id])):
-            members_of.setdefault((t.tenant, t.signature), []).append(t.trial_id)
+        members_of = _class_members(trials)
         classes = tuple(sorted(members_of))
-
-        # Running arrays whose device and trials still exist.
-        current: list[tuple[Placement, Device, list[int]]] = []
-        busy: set[int] = set()
-        used_devices: set[str] = set()
-        for p in running:
-            d = device_by_id.get(p.device_id)
-            alive = [i for i in p.trial_ids if i in by_id and i not in busy]
-            if d is None or not alive or p.device_id in used_devices:
-                continue
-            if any((by_id[i].tenant, by_id[i].signature) != (p.tenant, p.signature) for i in alive):
-                # The caller's record disagrees with the trials (e.g. a trial was re-keyed):
-                # treat the array as gone so its trials are placed afresh, never mixed.
-                continue
-            used_devices.add(p.device_id)
-            busy.update(alive)
-            current.append((p, d, alive))
+        current, busy = _alive(running, by_id, device_by_id)
 
         allocation: Allocation | None = None
         types: tuple[str, ...] = tuple(sorted({d.device_type for d in devices}))
-        solver = 0.0
         if not devices or not trials:
-            placements = []  # nothing to run, or nowhere to run it
+            placements: list[Placement] = []  # nothing to run, or nowhere to run it
         elif self.fairness is None:
             placements = self._fifo(now, trials, by_id, current, busy, devices)
         else:
-            problem, types, _ = self.problem(classes, [len(members_of[c]) for c in classes], devices, weights)
-            names = tuple(weights)
-            incumbent = np.zeros((len(classes), len(types)))
-            class_row = {c: i for i, c in enumerate(classes)}
-            type_col = {g: i for i, g in enumerate(types)}
-            for p, d, _ in current:
-                incumbent[class_row[(p.tenant, p.signature)], type_col[d.device_type]] += 1
-            allocation = solve_allocation(problem, self.fairness, incumbent)
-            solver = allocation.solver_seconds
+            allocation, types = self._allocate(classes, members_of, current, devices, weights)
             placements = self._round(now, allocation, classes, types, members_of, current, busy, devices)
-            self._update_debt(names, allocation, placements, device_by_id, types)
+            self._update_debt(tuple(weights), allocation, placements, device_by_id, types)
 
         placed = {i for p in placements for i in p.trial_ids}
         before = {p.device_id: p for p, _, _ in current}
@@ -244,17 +264,33 @@ class Scheduler:
         # Every trial that was running (per the caller) and is not placed now, including
         # those whose device disappeared or whose record was not trusted.
         was_running = {i for p in running for i in p.trial_ids if i in by_id}
-        preempted = tuple(sorted(was_running - placed))
         return Decision(
             placements=tuple(sorted(placements, key=lambda p: p.device_id)),
             started=started,
-            preempted=preempted,
+            preempted=tuple(sorted(was_running - placed)),
             allocation=allocation,
             classes=classes,
             device_types=types,
-            solver_seconds=solver,
+            solver_seconds=allocation.solver_seconds if allocation is not None else 0.0,
             decide_seconds=time.perf_counter() - t_start,
         )
+
+    def _allocate(
+        self,
+        classes: tuple[Class, ...],
+        members_of: Mapping[Class, list[int]],
+        current: Sequence[Running],
+        devices: Sequence[Device],
+        weights: Mapping[str, float],
+    ) -> tuple[Allocation, tuple[str, ...]]:
+        """The round's fractional allocation (with the incumbent tie-break) and its types."""
+        problem, types, _ = self.problem(classes, [len(members_of[c]) for c in classes], devices, weights)
+        incumbent = np.zeros((len(classes), len(types)))
+        class_row = {c: i for i, c in enumerate(classes)}
+        type_col = {g: i for i, g in enumerate(types)}
+        for p, d, _ in current:
+            incumbent[class_row[(p.tenant, p.signature)], type_col[d.device_type]] += 1
+        return solve_allocation(problem, self.fairness, incumbent), types  # type: ignore[arg-type]
 
     def _update_debt(
         self,
@@ -345,195 +381,33 @@ class Scheduler:
         self,
         now: float,
         allocation: Allocation,
-        classes: Sequence[tuple[str, str]],
+        classes: Sequence[Class],
         types: Sequence[str],
-        members_of: Mapping[tuple[str, str], list[int]],
-        current: Sequence[tuple[Placement, Device, list[int]]],
+        members_of: Mapping[Class, list[int]],
+        current: Sequence[Running],
         busy: set[int],
         devices: Sequence[Device],
     ) -> list[Placement]:
-        """Round the fractional allocation into placements, honouring leases."""
+        """Round the fractional allocation into placements, honouring leases (see _rounding)."""
         n_c, n_g = len(classes), len(types)
-        type_index = {g: i for i, g in enumerate(types)}
-        class_index = {c: i for i, c in enumerate(classes)}
-        x = allocation.devices
         carry = np.array([[self._carry.get((c, g), 0.0) for g in types] for c in classes]).reshape(n_c, n_g)
-        desired = np.maximum(x + carry, 0.0)
-        capacity = np.array([sum(1 for d in devices if d.device_type == g) for g in types])
-
-        # Integer targets per (class, type): floors of the allocation (which fit the
-        # capacity by construction), then each type's spare devices to the classes with
-        # the largest fractional part plus rounding debt, never more arrays than trials.
-        # Debt only reorders who gets the spare devices, so a target never exceeds
-        # ceil(x) and classes that were short in earlier rounds are repaid first.
-        demand = np.array([len(members_of[c]) for c in classes])
-        incumbent = np.zeros((n_c, n_g), dtype=int)
-        for p, d, _ in current:
-            incumbent[class_index[(p.tenant, p.signature)], type_index[d.device_type]] += 1
         # Tenants owed utility (rounding fell short of their equal share) come first for
         # spare devices: the shortfall is repaid from tenants above their share.
-        owed_bonus = np.array([1.0 + self._debt[c[0]] if c[0] in self._debt else 0.0 for c in classes])
-        # HiGHS returns 3.9999999 for 4: snap within 1e-3 of an integer before flooring.
-        target = np.minimum(np.floor(x + 1e-3).astype(int), demand[:, None])
-        for gi in range(n_g):
-            col = target[:, gi]
-            while col.sum() > capacity[gi]:  # only possible through the snap above
-                col[int(np.argmax(np.where(col > 0, col - x[:, gi], -np.inf)))] -= 1
-            spare = int(capacity[gi] - col.sum())
-            if spare <= 0 or n_c == 0:
-                continue
-            frac = x[:, gi] - col
-            eligible = (frac > 1e-3) & (col < demand)
-            # Hysteresis: a class already running its extra array here keeps it unless
-            # another is owed clearly more, so fractional shares rotate in stints rather
-            # than every round (fewer restarts at the same long-run shares).
-            holds = incumbent[:, gi] > col
-            priority = np.where(eligible, frac + carry[:, gi] + owed_bonus + _HYSTERESIS * holds, -np.inf)
-            for j in np.argsort(-priority, kind="stable")[:spare]:
-                if eligible[j]:
-                    col[j] += 1
-
-        # Trials each (class, type) should hold: as many as the fractional allocation put
-        # there (at least one per array).  Arrays are then sized to split that evenly
-        # (sizes differ by at most one), which is what the concave T(B) rewards.
-        budget = np.maximum(target, np.rint(allocation.members * x).astype(int))
-        budget_used = np.zeros((n_c, n_g), dtype=int)
-
-        def next_size(ci: int, gi: int, cap: int) -> int:
-            arrays_left = max(1, int(target[ci, gi] - placed_count[ci, gi]))
-            left = int(budget[ci, gi] - budget_used[ci, gi])
-            return max(1, min(cap, -(-left // arrays_left)))
-
-        queues: dict[tuple[str, str], list[int]] = {
-            c: [i for i in members_of[c] if i not in busy] for c in classes
-        }
-        placed_count = np.zeros((n_c, n_g), dtype=int)
-        placements: list[Placement] = []
-        used: set[str] = set()
-
-        def fill(c: tuple[str, str], ids: list[int], want: int) -> list[int]:
-            q = queues[c]
-            take = max(0, want - len(ids))
-            ids = ids + q[:take]
-            del q[:take]
-            return ids
-
-        # 1. Keep running arrays: unexpired leases always; expired ones while the class is
-        #    still entitled to that many arrays on the type (the lease is then extended).
-        #    Unexpired first, so they count against the target before revocable ones.  At
-        #    lease end an array is also resized to what the allocation chose: surplus
-        #    members move back to the queue (and onto devices of their own below).
-        survivors: list[tuple[Placement, Device, list[int], int, float]] = []
-        for p, d, alive in sorted(current, key=lambda e: (e[0].lease_expires <= now, e[0].device_id)):
-            c = (p.tenant, p.signature)
-            ci, gi = class_index[c], type_index[d.device_type]
-            unexpired = p.lease_expires > now
-            if not unexpired and placed_count[ci, gi] >= target[ci, gi]:
-                continue  # preempted: the lease ran out and the class is over its share
-            want = next_size(ci, gi, self._members(p.signature, d.device_type, d.memory_bytes))
-            members = list(alive) if unexpired else list(alive)[:want]
-            lease = p.lease_expires if unexpired else now + self.lease_seconds
-            survivors.append((p, d, members, want, lease))
-            budget_used[ci, gi] += max(want, len(members))
-            placed_count[ci, gi] += 1
-            used.add(d.device_id)
-        # Preempted and moved trials go back to the front of their queues (they were
-        # running), before any refill, so that surviving arrays can take them back.
-        kept = {i for _, _, members, _, _ in survivors for i in members}
-        for p, _, alive in current:
-            back = [i for i in alive if i not in kept]
-            if back:
-                c = (p.tenant, p.signature)
-                queues[c] = back + queues[c]
-        for p, d, members, want, lease in survivors:
-            ids = fill((p.tenant, p.signature), members, want)  # epoch-boundary refill
-            placements.append(Placement(d.device_id, p.signature, p.tenant, tuple(ids), lease))
-
-        # 2. New arrays up to the targets, most under-served (class, type) first.
-        free_by_type: dict[str, list[Device]] = {g: [] for g in types}
-        for d in devices:
-            if d.device_id not in used:
-                free_by_type[d.device_type].append(d)
-        gaps = [
-            (float(desired[ci, gi] - placed_count[ci, gi]), ci, gi)
-            for ci in range(n_c)
-            for gi in range(n_g)
-            if target[ci, gi] > placed_count[ci, gi]
-        ]
-        for _, ci, gi in sorted(gaps, key=lambda e: (-e[0], e[1], e[2])):
-            c, g = classes[ci], types[gi]
-            while placed_count[ci, gi] < target[ci, gi] and queues[c] and free_by_type[g]:
-                d = free_by_type[g].pop(0)
-                cap = self._members(c[1], g, d.memory_bytes)
-                if cap < 1:
-                    continue
-                b = next_size(ci, gi, cap)
-                ids = fill(c, [], b)
-                budget_used[ci, gi] += b
-                placements.append(Placement(d.device_id, c[1], c[0], tuple(ids), now + self.lease_seconds))
-                placed_count[ci, gi] += 1
-
-        # 3. Work conservation: backfill every still-free device with the waiting class
-        #    that is most behind its allocation (ties: fastest on this type).  Backfill
-        #    leases are already expired, so the next round can reclaim the device.
-        behind = (x + carry).sum(axis=1) - placed_count.sum(axis=1)
-        free_left = sum(len(v) for v in free_by_type.values())
-        for g in types:
-            gi = type_index[g]
-            heap = [
-                (-float(behind[ci]), -float(x[ci, gi] > 0), ci)
-                for ci, c in enumerate(classes)
-                if queues[c]
-            ]
-            heapq.heapify(heap)
-            for d in free_by_type[g]:
-                free_left -= 1
-                skipped: list[tuple[float, float, int]] = []
-                chosen: int | None = None
-                while heap:
-                    entry = heapq.heappop(heap)
-                    c = classes[entry[2]]
-                    if not queues[c]:
-                        continue  # drained by an earlier device
-                    if self._members(c[1], g, d.memory_bytes) < 1:
-                        skipped.append(entry)  # does not fit this device; maybe the next
-                        continue
-                    chosen = entry[2]
-                    break
-                for entry in skipped:
-                    heapq.heappush(heap, entry)
-                if chosen is None:
-                    continue
-                c = classes[chosen]
-                # Spread the backlog over the free devices: fuse only as much as needed.
-                spread = math.ceil(sum(len(q) for q in queues.values()) / (free_left + 1))
-                ids = fill(c, [], max(1, min(self._members(c[1], g, d.memory_bytes), spread)))
-                placements.append(Placement(d.device_id, c[1], c[0], tuple(ids), now))
-                placed_count[chosen, gi] += 1
-                behind[chosen] -= 1.0
-                if queues[c]:
-                    heapq.heappush(heap, (-float(behind[chosen]), -float(x[chosen, gi] > 0), chosen))
-
-        # Rounding debt for the next round (classes that vanished are forgotten).
-        # A class whose every trial is placed, each on a type the allocation gave it, is
-        # owed nothing (it could not have used more).  One placed beyond its allocation
-        # on some type (backfill onto a slower type) keeps its debt on the others.
-        displaced = (placed_count - x > 1e-6).any(axis=1)
-        self._carry = {
-            (c, g): float(np.clip(desired[ci, gi] - placed_count[ci, gi], -_CARRY_LIMIT, _CARRY_LIMIT))
-            for ci, c in enumerate(classes)
-            for gi, g in enumerate(types)
-            if (queues[c] or displaced[ci])
-            and (x[ci, gi] > 0 or placed_count[ci, gi] > 0 or abs(carry[ci, gi]) > 1e-9)
-        }
+        owed = np.array([1.0 + self._debt[c[0]] if c[0] in self._debt else 0.0 for c in classes])
+        rounding = Rounding(
+            now, allocation, classes, types, members_of, current, busy, carry, owed,
+            lambda sig, d: self._members(sig, d.device_type, d.memory_bytes), self.lease_seconds,
+        )
+        placements = rounding.run(devices, self.backfill)
+        self._carry = rounding.next_carry(carry)
         return placements
 
 
 def make_scheduler(policy: str, throughput: ThroughputModel | None = None, **kwargs: object) -> Scheduler:
     """A :class:`Scheduler` configured as one of the named ``POLICIES``.
 
-    ``fifo`` (one trial per device, arrival order), ``gavel`` (heterogeneity-aware
-    max-min, unfused), ``oef`` / ``oef-noncooperative`` (unfused), ``fusion-greedy``
+    ``fifo`` (one trial per device, arrival order), ``gavel-paper`` (Gavel's published
+    max-min LP, unfused), ``gavel`` (our stronger heterogeneity-aware max-min, unfused), ``oef`` / ``oef-noncooperative`` (unfused), ``fusion-greedy``
     (fusion, FIFO, heterogeneity-unaware) and ``fusetune`` (fusion + OEF fairness +
     heterogeneity).  Extra keyword arguments go to :class:`Scheduler`.
     """

@@ -10,6 +10,10 @@ Gavel's simulator).  A trial that finishes mid-round frees its slot at the next 
 Device time is charged to an array's members equally (each of B members is charged
 ``1/B`` of the device's time) and to a tenant as the sum over its members; since arrays
 never mix tenants, a tenant is charged exactly the devices its arrays hold.
+
+Everything comes in as plain data (:class:`TraceStudy`, :class:`TraceTrial`, curves,
+device counts): the same call replays the Philly slice, a synthetic workload, or a
+hand-written mini-trace that a live run is compared against.
 """
 
 from __future__ import annotations
@@ -23,17 +27,22 @@ import numpy as np
 
 from fusetune.scheduler._allocation import equal_share_utilities
 from fusetune.scheduler._packing import PendingTrial
-from fusetune.scheduler._scheduler import make_scheduler
+from fusetune.scheduler._scheduler import Scheduler, make_scheduler
 from fusetune.scheduler._throughput import SpeedupCurve, ThroughputModel
 from fusetune.scheduler._trace import TraceStudy, TraceTrial
-from fusetune.scheduler._types import Device, Placement, Tenant
+from fusetune.scheduler._types import Decision, Device, Placement, Tenant
 
 __all__ = ["SimResult", "simulate"]
 
 
 @dataclass(frozen=True)
 class SimResult:
-    """The metrics of one policy on one trace and cluster (definitions in docs/scheduling.md)."""
+    """The metrics of one policy on one trace and cluster (definitions in docs/scheduling.md).
+
+    ``device_share`` is each tenant's fraction of all device-seconds its arrays held over
+    the run, and ``jct_by_study`` each study's completion time in seconds: what a live
+    run of the same trace is compared with.
+    """
 
     policy: str
     norm_throughput: float
@@ -50,10 +59,190 @@ class SimResult:
     rounds: int
     avg_trial_jct_h: float = 0.0
     jct_by_study: Mapping[int, float] = field(default_factory=dict)
+    device_share: Mapping[str, float] = field(default_factory=dict)
 
 
 def _jain(x: np.ndarray) -> float:
     return float(x.sum() ** 2 / (x.size * (x**2).sum())) if x.size and (x**2).sum() > 0 else 1.0
+
+
+class _Replay:
+    """One replay: the clock, the trials' remaining work and the metric accumulators."""
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        trials: Sequence[TraceTrial],
+        curves: Mapping[tuple[str, str], SpeedupCurve],
+        devices: Sequence[Device],
+        weights: Mapping[str, float],
+        round_seconds: float,
+    ) -> None:
+        self.sched, self.curves, self.devices, self.dt = sched, curves, devices, round_seconds
+        self.device_type = {d.device_id: d.device_type for d in devices}
+        self.names = sorted({t.tenant for t in trials})
+        self.w = {n: weights.get(n, 1.0) for n in self.names}
+        self.wv = np.array([self.w[n] for n in self.names])
+        self.tenants = [Tenant(n, self.w[n]) for n in self.names]
+        self.tix = {n: i for i, n in enumerate(self.names)}
+        types = sorted({d.device_type for d in devices})
+        self.best_solo = {j: max(curves[(j, g)].solo_steps_per_s for g in types) for j in {t.job_type for t in trials}}
+        self.order = sorted(trials, key=lambda t: (t.arrival, t.trial_id))
+        self.info = {t.trial_id: t for t in trials}
+        self.left = {t.trial_id: t.steps for t in trials}
+        self.done_at: dict[int, float] = {}
+        self.last_arrival = max((t.arrival for t in trials), default=0.0)
+        n_t = len(self.names)
+        # Metric accumulators (all integrate over time in seconds).
+        self.util, self.share, self.held = np.zeros(n_t), np.zeros(n_t), np.zeros(n_t)
+        self.envy_own, self.envy_other = np.zeros((n_t, n_t)), np.zeros((n_t, n_t))
+        self.jain_sum = self.jain_time = self.thr_sum = self.thr_time = 0.0
+        self.solver_ms: list[float] = []
+        self.active_weight_at_arrival: dict[int, float] = {}
+        self.rounds = 0
+
+    def run(self) -> None:
+        """Replay rounds until every trial has finished."""
+        now = self.order[0].arrival if self.order else 0.0
+        nxt = 0
+        arrived: list[int] = []
+        running: tuple[Placement, ...] = ()
+        while True:
+            while nxt < len(self.order) and self.order[nxt].arrival <= now:
+                arrived.append(self.order[nxt].trial_id)
+                nxt += 1
+            live = [i for i in arrived if i not in self.done_at]
+            if not live:
+                if nxt >= len(self.order):
+                    break
+                now = max(now + self.dt, self.order[nxt].arrival)
+                running = ()
+                continue
+            info = self.info
+            pending = [PendingTrial(i, info[i].job_type, info[i].tenant, info[i].study_id, 0.0, 1) for i in live]
+            decision = self.sched.decide(now, pending, self.devices, self.tenants, running)
+            running = decision.placements
+            self.rounds += 1
+            if decision.allocation is not None:
+                self.solver_ms.append(decision.solver_seconds * 1e3)
+            self._account(now, pending, decision)
+            self._advance(now, running)
+            now += self.dt
+
+    def _round_values(self, pending: Sequence[PendingTrial], decision: Decision) -> tuple[np.ndarray, ...]:
+        """This round's e_i, saturation, realised u_i, bundles, waiting flags and class values."""
+        classes = decision.classes or tuple(sorted({(p.tenant, p.signature) for p in pending}))
+        demand = {c: 0 for c in classes}
+        for p in pending:
+            demand[(p.tenant, p.signature)] += 1
+        problem, ptypes, _ = self.sched.problem(classes, [demand[c] for c in classes], self.devices, self.w)
+        if decision.allocation is not None:
+            e, saturated = decision.allocation.equal_share, decision.allocation.saturated
+        else:
+            e, _, saturated, _ = equal_share_utilities(problem)
+        n_t = len(self.names)
+        u, bundle = np.zeros(n_t), np.zeros((n_t, len(ptypes)))
+        placed: set[int] = set()
+        for p in decision.placements:
+            g = self.device_type[p.device_id]
+            u[self.tix[p.tenant]] += self.curves[(p.signature, g)].rate(len(p.trial_ids)) / self.best_solo[p.signature]
+            bundle[self.tix[p.tenant], ptypes.index(g)] += 1
+            placed.update(p.trial_ids)
+        waits = {(p.tenant, p.signature) for p in pending if p.trial_id not in placed}
+        waiting_class = np.array([c in waits for c in classes], dtype=bool)
+        # OEF's linear valuation per class, as in the LP: a device's best rate for it.
+        value = np.where(problem.members > 0, problem.rate, 0.0).max(axis=2)
+        owner = np.array([self.tix[c[0]] for c in classes], dtype=int)
+        return e, saturated, u, bundle, waiting_class, value, owner
+
+    def _account(self, now: float, pending: Sequence[PendingTrial], decision: Decision) -> None:
+        """Add this round to the fairness and throughput integrals."""
+        e, saturated, u, bundle, waiting_class, value, owner = self._round_values(pending, decision)
+        active = np.zeros(len(self.names), dtype=bool)
+        active[[self.tix[p.tenant] for p in pending]] = True
+        waiting = np.zeros_like(active)
+        waiting[owner[waiting_class]] = True
+        dt = self.dt
+        self.util[active] += u[active] * dt
+        self.share[active] += e[active] * dt
+        self.held += bundle.sum(axis=1) * dt
+        # Envy, time-integrated like the sharing-incentive ratio: over the time both are
+        # active, Σ_rounds max over i's waiting classes c of max(0, v_c·a_j·w_i/w_j − v_c·a_i),
+        # divided by Σ_rounds of i's own best class value v_c·a_i.  A tenant with nothing
+        # waiting beyond its equal share could not use another bundle and envies nothing.
+        for i in np.flatnonzero(active & (e > 0)):
+            mine = value[owner == i]
+            own = float((mine @ bundle[i]).max()) if mine.size else 0.0
+            can_envy = waiting[i] and not saturated[i]
+            vw = value[(owner == i) & waiting_class]
+            for j in np.flatnonzero(active):
+                if j == i:
+                    continue
+                self.envy_own[i, j] += own * dt
+                if can_envy and vw.size:
+                    gap = vw @ (bundle[j] * self.wv[i] / self.wv[j] - bundle[i])
+                    self.envy_other[i, j] += max(0.0, float(gap.max())) * dt
+        contenders = np.flatnonzero(waiting & (e > 0))
+        if contenders.size >= 2:
+            self.jain_sum += _jain(u[contenders] / e[contenders]) * dt
+            self.jain_time += dt
+        if now <= self.last_arrival:
+            self.thr_sum += u.sum() * dt
+            self.thr_time += dt
+        for p in pending:
+            self.active_weight_at_arrival.setdefault(p.trial_id, float(self.wv[active].sum()))
+
+    def _advance(self, now: float, running: Sequence[Placement]) -> None:
+        """Advance every array by one round at the true speed of its curve."""
+        for p in running:
+            curve = self.curves[(p.signature, self.device_type[p.device_id])]
+            per_member = curve.rate(len(p.trial_ids)) / len(p.trial_ids)
+            for i in p.trial_ids:
+                need = self.left[i] / per_member
+                if need <= self.dt:
+                    self.done_at[i] = now + need
+                    self.left[i] = 0.0
+                else:
+                    self.left[i] -= per_member * self.dt
+
+    def result(self, policy: str, studies: Sequence[TraceStudy], trials: Sequence[TraceTrial]) -> SimResult:
+        """The metrics (see docs/scheduling.md for every definition)."""
+        jct: dict[int, float] = {}
+        rho: dict[str, list[tuple[float, float]]] = {n: [] for n in self.names}
+        n_dev = len(self.devices)
+        for s in studies:
+            jct[s.study_id] = max(self.done_at[i] for i in s.trial_ids) - s.arrival
+            # Isolated time: every trial alone on its best GPU type, but no faster than the
+            # study's normalised work spread over the tenant's equal share at arrival.
+            solo = [self.info[i].steps / self.best_solo[s.job_type] for i in s.trial_ids]
+            active_w = self.active_weight_at_arrival.get(s.trial_ids[0], self.w[s.tenant])
+            share_devices = n_dev * self.w[s.tenant] / max(active_w, self.w[s.tenant])
+            rho[s.tenant].append((jct[s.study_id], max(max(solo), sum(solo) / share_devices)))
+        jcts = np.array(list(jct.values())) / 3600.0
+        si = {n: float(self.util[k] / self.share[k]) if self.share[k] > 0 else math.inf for n, k in self.tix.items()}
+        with np.errstate(divide="ignore", invalid="ignore"):
+            envy = np.where(self.envy_own > 0, self.envy_other / self.envy_own, 0.0)
+        first = min((s.arrival for s in studies), default=0.0)
+        held = self.held.sum()
+        return SimResult(
+            policy=policy,
+            norm_throughput=self.thr_sum / self.thr_time if self.thr_time else 0.0,
+            avg_jct_h=float(jcts.mean()) if jcts.size else 0.0,
+            p99_jct_h=float(np.percentile(jcts, 99)) if jcts.size else 0.0,
+            makespan_h=(max(self.done_at.values(), default=first) - first) / 3600.0,
+            jain=self.jain_sum / self.jain_time if self.jain_time else 1.0,
+            si_min=min(si.values(), default=math.inf),
+            si_by_tenant=si,
+            max_envy=float(max(0.0, envy.max())) if envy.size else 0.0,
+            # Per tenant Σ JCT / Σ isolated time, so a few tiny studies do not dominate.
+            rho_max=max((sum(j for j, _ in v) / sum(i for _, i in v) for v in rho.values() if v), default=0.0),
+            solver_ms_mean=float(np.mean(self.solver_ms)) if self.solver_ms else 0.0,
+            solver_ms_max=float(np.max(self.solver_ms)) if self.solver_ms else 0.0,
+            rounds=self.rounds,
+            avg_trial_jct_h=float(np.mean([self.done_at[t.trial_id] - t.arrival for t in trials])) / 3600.0 if trials else 0.0,
+            jct_by_study=jct,
+            device_share={n: float(self.held[k] / held) if held else 0.0 for n, k in self.tix.items()},
+        )
 
 
 def simulate(
@@ -68,12 +257,30 @@ def simulate(
     round_seconds: float = 360.0,
     max_members: int = 16,
     seed: int = 0,
+    backfill: bool = True,
+    prices: Mapping[str, float] | None = None,
+    lease_seconds: float | None = None,
 ) -> SimResult:
-    """Replay ``trials`` on ``cluster`` under ``policy``; return its metrics."""
+    """Replay ``trials`` on ``cluster`` under ``policy``; return its metrics.
+
+    Args:
+        policy: a name in ``POLICIES``.
+        studies, trials: the workload (:mod:`scheduler._trace`, :mod:`scheduler._workload`,
+            or written by hand).
+        curves: the true speed-up curve per (job type = signature, device type).
+        cluster: devices per type; ``memory``: bytes per device of each type.
+        weights: tenant weights (1 when absent).
+        round_seconds: the scheduling round; ``lease_seconds`` defaults to it.
+        max_members: the cap on B for fusing policies.
+        seed: shuffles the device list (type-blind policies take "the first free device").
+        backfill: False leaves devices the allocation does not fill idle (Gavel's LP alone).
+        prices: public device prices for ``oef-noncooperative``'s exchanges.
+    """
     model = ThroughputModel()
     for (job, gpu), curve in curves.items():
         model.set_curve(job, gpu, curve)
-    sched = make_scheduler(policy, model, max_members=max_members, lease_seconds=round_seconds)
+    lease = round_seconds if lease_seconds is None else lease_seconds
+    sched = make_scheduler(policy, model, max_members=max_members, lease_seconds=lease, backfill=backfill, prices=prices)
     devices = [
         Device(f"{g}-{i:03d}", g, memory_bytes=memory[g], node=f"{g}-node{i // 4}")
         for g in sorted(cluster)
@@ -82,158 +289,6 @@ def simulate(
     # Type-blind policies take "the first free device"; a seeded shuffle makes that a
     # random type (as on a real Ray cluster) instead of always the slowest type first.
     random.Random(seed).shuffle(devices)
-    device_type = {d.device_id: d.device_type for d in devices}
-    tenant_names = sorted({t.tenant for t in trials})
-    w = {name: (weights or {}).get(name, 1.0) for name in tenant_names}
-    tenants = [Tenant(name, w[name]) for name in tenant_names]
-    tix = {name: i for i, name in enumerate(tenant_names)}
-    n_t, n_dev = len(tenant_names), len(devices)
-    types = tuple(sorted(cluster))
-    best_solo = {j: max(curves[(j, g)].solo_steps_per_s for g in types) for j in {t.job_type for t in trials}}
-
-    order = sorted(trials, key=lambda t: (t.arrival, t.trial_id))
-    left = {t.trial_id: t.steps for t in trials}
-    info = {t.trial_id: t for t in trials}
-    done_at: dict[int, float] = {}
-    last_arrival = max((t.arrival for t in trials), default=0.0)
-
-    # Metric accumulators (all integrate over time in seconds).
-    util = np.zeros(n_t)
-    share = np.zeros(n_t)
-    envy_own = np.zeros((n_t, n_t))
-    envy_other = np.zeros((n_t, n_t))
-    jain_sum = jain_time = 0.0
-    thr_sum = thr_time = 0.0
-    solver_ms: list[float] = []
-    active_at_arrival: dict[int, float] = {}
-
-    now = order[0].arrival if order else 0.0
-    nxt = 0
-    arrived: list[int] = []
-    running: tuple[Placement, ...] = ()
-    rounds = 0
-    while True:
-        while nxt < len(order) and order[nxt].arrival <= now:
-            arrived.append(order[nxt].trial_id)
-            nxt += 1
-        live = [i for i in arrived if i not in done_at]
-        if not live:
-            if nxt >= len(order):
-                break
-            now = max(now + round_seconds, order[nxt].arrival)
-            running = ()
-            continue
-        pending = [
-            PendingTrial(i, info[i].job_type, info[i].tenant, info[i].study_id, 0.0, 1) for i in live
-        ]
-        decision = sched.decide(now, pending, devices, tenants, running)
-        running = decision.placements
-        rounds += 1
-        if decision.allocation is not None:
-            solver_ms.append(decision.solver_seconds * 1e3)
-
-        # --- fairness bookkeeping for this round ---------------------------------------
-        classes = decision.classes or tuple(sorted({(p.tenant, p.signature) for p in pending}))
-        demand = {c: 0 for c in classes}
-        for p in pending:
-            demand[(p.tenant, p.signature)] += 1
-        problem, ptypes, _ = sched.problem(classes, [demand[c] for c in classes], devices, w)
-        if decision.allocation is not None:
-            e, saturated = decision.allocation.equal_share, decision.allocation.saturated
-        else:
-            e, _, saturated, _ = equal_share_utilities(problem)
-        u = np.zeros(n_t)
-        bundle = np.zeros((n_t, len(ptypes)))
-        placed: set[int] = set()
-        for p in running:
-            g = device_type[p.device_id]
-            curve = curves[(p.signature, g)]
-            u[tix[p.tenant]] += curve.rate(len(p.trial_ids)) / best_solo[p.signature]
-            bundle[tix[p.tenant], ptypes.index(g)] += 1
-            placed.update(p.trial_ids)
-        active = np.zeros(n_t, dtype=bool)
-        waiting = np.zeros(n_t, dtype=bool)
-        for p in pending:
-            active[tix[p.tenant]] = True
-            if p.trial_id not in placed:
-                waiting[tix[p.tenant]] = True
-        # A tenant's per-device value, OEF's linear valuation as in the LP: the best rate
-        # any of its classes gets from a device of each type.
-        value = np.zeros((n_t, len(ptypes)))
-        for ci, c in enumerate(classes):
-            value[tix[c[0]]] = np.maximum(value[tix[c[0]]], problem.rate[ci].max(axis=1))
-        dt = round_seconds
-        util[active] += u[active] * dt
-        share[active] += e[active] * dt
-        wv = np.array([w[n] for n in tenant_names])
-        # Envy, time-integrated like the sharing-incentive ratio: over the time both are
-        # active, Σ max(0, v_i·a_j·w_i/w_j − v_i·a_i) / Σ v_i·a_i, where a round adds envy
-        # only if i had trials waiting beyond its equal share (otherwise it could not use
-        # another bundle and envies nothing).
-        for i in np.flatnonzero(active & (e > 0)):
-            own = value[i] @ bundle[i]
-            can_envy = waiting[i] and not saturated[i]
-            for j in np.flatnonzero(active):
-                if j != i:
-                    envy_own[i, j] += own * dt
-                    if can_envy:
-                        envy_other[i, j] += max(0.0, (value[i] @ bundle[j]) * wv[i] / wv[j] - own) * dt
-        contenders = np.flatnonzero(waiting & (e > 0))
-        if contenders.size >= 2:
-            jain_sum += _jain(u[contenders] / e[contenders]) * dt
-            jain_time += dt
-        if now <= last_arrival:
-            thr_sum += u.sum() * dt
-            thr_time += dt
-        for i in live:
-            if i not in active_at_arrival:
-                active_at_arrival[i] = float(wv[active].sum())
-
-        # --- advance the arrays by one round -------------------------------------------
-        for p in running:
-            curve = curves[(p.signature, device_type[p.device_id])]
-            per_member = curve.rate(len(p.trial_ids)) / len(p.trial_ids)
-            for i in p.trial_ids:
-                need = left[i] / per_member
-                if need <= dt:
-                    done_at[i] = now + need
-                    left[i] = 0.0
-                else:
-                    left[i] -= per_member * dt
-        now += dt
-
-    # --- study-level metrics -----------------------------------------------------------
-    jct: dict[int, float] = {}
-    rho_by_tenant: dict[str, list[tuple[float, float]]] = {n: [] for n in tenant_names}
-    for s in studies:
-        finish = max(done_at[i] for i in s.trial_ids)
-        jct[s.study_id] = finish - s.arrival
-        # Isolated time: every trial alone on its best GPU type, but no faster than the
-        # study's normalised work spread over the tenant's equal share at arrival.
-        solo_times = [info[i].steps / best_solo[s.job_type] for i in s.trial_ids]
-        share_devices = n_dev * w[s.tenant] / max(active_at_arrival.get(s.trial_ids[0], w[s.tenant]), w[s.tenant])
-        iso = max(max(solo_times), sum(solo_times) / share_devices)
-        rho_by_tenant[s.tenant].append((jct[s.study_id], iso))
-    jcts = np.array(list(jct.values())) / 3600.0
-    si = {n: float(util[tix[n]] / share[tix[n]]) if share[tix[n]] > 0 else math.inf for n in tenant_names}
-    with np.errstate(divide="ignore", invalid="ignore"):
-        envy = np.where(envy_own > 0, envy_other / envy_own, 0.0)
-    first = min((s.arrival for s in studies), default=0.0)
-    return SimResult(
-        policy=policy,
-        norm_throughput=thr_sum / thr_time if thr_time else 0.0,
-        avg_jct_h=float(jcts.mean()) if jcts.size else 0.0,
-        p99_jct_h=float(np.percentile(jcts, 99)) if jcts.size else 0.0,
-        makespan_h=(max(done_at.values(), default=first) - first) / 3600.0,
-        jain=jain_sum / jain_time if jain_time else 1.0,
-        si_min=min(si.values(), default=math.inf),
-        si_by_tenant=si,
-        max_envy=float(max(0.0, envy.max())) if envy.size else 0.0,
-        # Per tenant Σ JCT / Σ isolated time, so a few tiny studies do not dominate.
-        rho_max=max((sum(j for j, _ in v) / sum(i for _, i in v) for v in rho_by_tenant.values() if v), default=0.0),
-        solver_ms_mean=float(np.mean(solver_ms)) if solver_ms else 0.0,
-        solver_ms_max=float(np.max(solver_ms)) if solver_ms else 0.0,
-        rounds=rounds,
-        avg_trial_jct_h=float(np.mean([done_at[t.trial_id] - t.arrival for t in trials])) / 3600.0 if trials else 0.0,
-        jct_by_study=jct,
-    )
+    replay = _Replay(sched, trials, curves, devices, weights or {}, round_seconds)
+    replay.run()
+    return replay.result(policy, studies, trials)
