@@ -20,11 +20,9 @@ The marginal cost ``c`` of one more fused member (see :mod:`scheduler._throughpu
 from __future__ import annotations
 
 import ast
-import csv
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 from fusetune.scheduler._throughput import SpeedupCurve
 
@@ -34,7 +32,8 @@ __all__ = [
     "GPU_MEMORY_BYTES",
     "JobTypeCurves",
     "marginal_cost_floor",
-    "load_job_type_curves",
+    "job_type_curves",
+    "parse_job_key",
 ]
 
 HFTA_POINTNET_V100_MARGINAL_COST = 0.1  # 9 / (1 + 8c) = 5  =>  c = 0.1
@@ -63,21 +62,21 @@ class JobTypeCurves:
         return tuple(sorted({g for _, g in self.curves}))
 
 
-def load_job_type_curves(data_dir: Path) -> JobTypeCurves:
-    """Build the calibrated curves from ``gavel_simulation_throughputs.json`` (scale 1)."""
-    raw = json.loads((data_dir / "gavel_simulation_throughputs.json").read_text())
-    solo: dict[tuple[str, str], float] = {}
-    with (data_dir / "gavel_isolated_throughputs.csv").open() as fh:
-        for row in csv.DictReader(fh):
-            if int(row["scale_factor"]) != 1:
-                continue  # trials are single-device
-            for gpu in ("k80", "p100", "v100"):
-                solo[(row["job_type"], gpu)] = float(row[f"{gpu}_steps_per_s"])
+def job_type_curves(
+    simulation_throughputs: Mapping[str, Mapping[str, Any]], solo: Mapping[tuple[str, str], float]
+) -> JobTypeCurves:
+    """Build the calibrated curves from Gavel's measurements, given as plain data.
+
+    Args:
+        simulation_throughputs: ``gavel_simulation_throughputs.json`` as parsed:
+            ``{gpu: {"(job type, scale)": {"null": solo, "(other, scale)": [own, other]}}}``.
+        solo: solo steps/s per (job type, gpu) at scale factor 1 (the isolated CSV).
+    """
     curves: dict[tuple[str, str], SpeedupCurve] = {}
     pair: dict[tuple[str, str], float] = {}
     for (job, gpu), t1 in solo.items():
         key = str((job, 1))
-        entry = raw[gpu][key]
+        entry = simulation_throughputs[gpu][key]
         own, other = entry.get(key, [0.0, 0.0])
         s2 = (own + other) / entry["null"] if entry["null"] > 0 else 0.0
         pair[(job, gpu)] = s2

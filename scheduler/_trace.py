@@ -1,4 +1,7 @@
-"""Philly trace → tuning studies and trials, the simulator's workload.
+"""Philly trace → tuning studies and trials, the simulator's workload (plain data in and out).
+
+Reading ``philly_jobs.csv`` is the caller's job (``fusetune.server.simulate``): this module
+takes its rows as :class:`PhillyJob` values and does no I/O.
 
 Mapping (documented in docs/scheduling.md):
 
@@ -18,14 +21,22 @@ Mapping (documented in docs/scheduling.md):
 
 from __future__ import annotations
 
-import csv
 import datetime as dt
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-__all__ = ["TraceStudy", "TraceTrial", "load_philly_studies", "per_trial_tenants", "write_gavel_trace"]
+__all__ = ["PhillyJob", "TraceStudy", "TraceTrial", "philly_studies", "per_trial_tenants", "gavel_trace_lines"]
+
+
+@dataclass(frozen=True)
+class PhillyJob:
+    """One row of the Philly trace: when a job was submitted, how long it ran, on how many GPUs, by whom."""
+
+    submitted: dt.datetime
+    duration: float
+    num_gpus: int
+    cluster: str
 
 
 @dataclass(frozen=True)
@@ -51,10 +62,10 @@ class TraceStudy:
     trial_ids: tuple[int, ...]
 
 
-def load_philly_studies(
-    trace_csv: Path,
+def philly_studies(
+    jobs: Iterable[PhillyJob],
     job_types: Sequence[str],
-    reference_steps_per_s: dict[str, float],
+    reference_steps_per_s: Mapping[str, float],
     *,
     start: str = "2017-11-01",
     hours: float = 24.0,
@@ -63,18 +74,16 @@ def load_philly_studies(
     max_duration: float = 86_400.0,
     seed: int = 0,
 ) -> tuple[list[TraceStudy], list[TraceTrial]]:
-    """Load a slice of ``philly_jobs.csv`` as studies and trials (see module docstring)."""
+    """A slice of the Philly trace as studies and trials (see module docstring)."""
     if trials_per_study < 1:
         raise ValueError(f"trials_per_study must be >= 1, got {trials_per_study}")
     t0 = dt.datetime.fromisoformat(start)
     t1 = t0 + dt.timedelta(hours=hours)
-    rows = []
-    with trace_csv.open() as fh:
-        for row in csv.DictReader(fh):
-            ts = dt.datetime.fromisoformat(row["timestamp"])
-            duration = float(row["duration"])
-            if t0 <= ts < t1 and min_duration <= duration <= max_duration:
-                rows.append((ts, row["cluster"], duration, max(1, int(row["num_gpus"]))))
+    rows = [
+        (j.submitted, j.cluster, j.duration, max(1, j.num_gpus))
+        for j in jobs
+        if t0 <= j.submitted < t1 and min_duration <= j.duration <= max_duration
+    ]
     rows.sort()
     rng = random.Random(seed)
     types = sorted(job_types)
@@ -109,15 +118,14 @@ def per_trial_tenants(
     return new_studies, new_trials
 
 
-def write_gavel_trace(trials: Sequence[TraceTrial], path: Path) -> None:
-    """Write ``trials`` in Gavel's trace format (``scheduler/utils.py: parse_trace``).
+def gavel_trace_lines(trials: Sequence[TraceTrial]) -> list[str]:
+    """``trials`` in Gavel's trace format (``scheduler/utils.py: parse_trace``), one line each.
 
-    One line per trial, tab-separated: job type, command, working directory, step
-    argument, needs-data-dir, total steps, scale factor, priority weight, SLO, arrival
-    time.  The command fields name this simulator: Gavel's simulator only reads type,
-    steps, scale and arrival.
+    Tab-separated: job type, command, working directory, step argument, needs-data-dir,
+    total steps, scale factor, priority weight, SLO, arrival time.  The command fields
+    name this simulator: Gavel's simulator only reads type, steps, scale and arrival.
     """
-    with path.open("w") as fh:
-        for t in sorted(trials, key=lambda t: (t.arrival, t.trial_id)):
-            steps = max(1, int(round(t.steps)))
-            fh.write(f"{t.job_type}\tfusetune-sim\t.\t-n\t0\t{steps}\t1\t1\t-1\t{t.arrival:.6f}\n")
+    return [
+        f"{t.job_type}\tfusetune-sim\t.\t-n\t0\t{max(1, int(round(t.steps)))}\t1\t1\t-1\t{t.arrival:.6f}"
+        for t in sorted(trials, key=lambda t: (t.arrival, t.trial_id))
+    ]

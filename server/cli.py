@@ -395,15 +395,15 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser(
         "simulate",
-        help="replay a cluster trace under every scheduling policy (python -m scheduler.sim)",
+        help="replay a cluster trace under every scheduling policy (fusetune.server.simulate)",
         add_help=False,
     )
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["simulate"]:
-        from fusetune.scheduler import sim
+        from fusetune.server import simulate
 
-        return sim.main(argv[1:])
+        return simulate.main(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -6,10 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, load_job_type_curves, marginal_cost_floor
+from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, marginal_cost_floor
 from fusetune.scheduler._simulator import simulate
-from fusetune.scheduler._trace import load_philly_studies, per_trial_tenants, write_gavel_trace
-from fusetune.scheduler.sim import format_table, main, parse_cluster
+from fusetune.scheduler._trace import per_trial_tenants, philly_studies
+from fusetune.server.simulate import (
+    format_table,
+    main,
+    parse_cluster,
+    read_job_type_curves,
+    read_philly_jobs,
+    write_gavel_trace,
+)
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 pytestmark = pytest.mark.skipif(not (DATA / "philly_jobs.csv").exists(), reason="shared trace data not present")
@@ -17,10 +24,11 @@ pytestmark = pytest.mark.skipif(not (DATA / "philly_jobs.csv").exists(), reason=
 
 @pytest.fixture(scope="module")
 def workload():
-    calib = load_job_type_curves(DATA)
+    calib = read_job_type_curves(DATA)
     reference = {j: calib.curves[(j, "p100")].solo_steps_per_s for j in calib.job_types}
-    studies, trials = load_philly_studies(
-        DATA / "philly_jobs.csv", calib.job_types, reference, start="2017-11-01", hours=3, trials_per_study=2
+    studies, trials = philly_studies(
+        read_philly_jobs(DATA / "philly_jobs.csv"), calib.job_types, reference, start="2017-11-01", hours=3,
+        trials_per_study=2,
     )
     return calib, studies, trials
 
