@@ -41,11 +41,14 @@ from fusetune.workers.store import ArtifactStore, get_store
 
 __all__ = [
     "KEEP",
+    "MAGIC",
     "CheckpointWriter",
     "UnreadableCheckpoint",
     "checkpoint_dir",
     "checkpoint_key",
     "checkpoint_path",
+    "decode_checkpoint",
+    "encode_checkpoint",
     "load_checkpoint",
     "remove_checkpoints",
     "save_checkpoint",

@@ -132,9 +132,11 @@ def _check_fits(checkpoint: dict[str, Any], at: int, model: nn.Module) -> None:
     holds exactly ``model``'s tensors, shapes included: loading it can then not fail half way."""
     if checkpoint["epochs_done"] != at:
         raise UnreadableCheckpoint(f"it says {checkpoint['epochs_done']} epochs done, its name {at}")
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    saved = {k: tuple(v.shape) for k, v in checkpoint["model"].items() if isinstance(v, torch.Tensor)}
-    if saved != expected or len(saved) != len(checkpoint["model"]):
+    expected, saved = model.state_dict(), checkpoint["model"]
+    if set(saved) != set(expected) or any(
+        isinstance(v, torch.Tensor) and (not isinstance(saved[k], torch.Tensor) or saved[k].shape != v.shape)
+        for k, v in expected.items()
+    ):
         raise UnreadableCheckpoint("its weights are not this member's model's (names or shapes differ)")
 
 

@@ -22,7 +22,6 @@ from fusetune.workers.checkpoints import (
     checkpoint_key,
     decode_checkpoint,
     encode_checkpoint,
-    load_checkpoint,
     save_checkpoint,
     saved_epochs,
 )
