@@ -56,11 +56,13 @@ from fusetune.server.db import (
     utcnow,
 )
 from fusetune.server import events
+from fusetune.server.fencing import StaleScheduler, fence, take_epoch
 from fusetune.server.lifecycle import STOPPING, StudyLifecycle
 from fusetune.server.db.bulk import add_updates, insert_returning, insert_rows
 from fusetune.server.db.revisions import inserting_trials, next_revision, touch_trials
 from fusetune.server.mirror import CreatedStudy, StudyMirror
 from fusetune.server.optuna_specs import make_pruner, make_sampler
+from fusetune.server.purge import Purge, StudyPurger
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
 from fusetune.server.service import Conflict, Unavailable
 from fusetune.server.settings import Settings, artifact_uri
@@ -97,12 +99,24 @@ _CREATED_TTL_S = 60.0
 
 def database_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it, e.g. under Optuna's StorageInternalError) says the
-    database cannot be reached now: worth retrying, unlike a bug or bad data."""
+    database cannot be used now: worth retrying, unlike a bug or bad data. A scheduler that
+    another has replaced (:class:`~fusetune.server.fencing.StaleScheduler`) counts too: like
+    an outage, it is no study's fault, and the loop stops on it (see ``_loop``)."""
     seen = 0
     while exc is not None and seen < 8:
-        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)):
+        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, StaleScheduler)):
             return True
         if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _stale(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or what caused it, says another server is the scheduler of record now."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, StaleScheduler):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
@@ -264,14 +278,54 @@ class Coordinator(StudyLifecycle):
         self._next_prune = 0.0  # when old events are pruned next (monotonic)
         self._studies_running = 0  # as the last step saw them
         self._heap_settled = False  # see _settle_heap
+        #: The fencing epoch this scheduler took (server/fencing.py), once set up.
+        self.epoch: int | None = None
+        #: Called (on the loop thread) when another server has become the scheduler of record
+        #: and this loop has stopped: the server's leadership steps down (server/leader.py).
+        self.on_fenced: Callable[[], None] | None = None
+        self._purger: StudyPurger | None = None  # removes deleted studies' rows, once set up
 
     # -- lifecycle -----------------------------------------------------------------------------
     def setup(self) -> None:
-        """Register the pool's workers, load measured throughput, re-queue what a previous process left running."""
+        """Become the scheduler of record (a new fencing epoch: every later commit checks it),
+        register the pool's workers, load measured throughput, re-queue what a previous
+        process left running."""
+        plain = get_loop_sessionmaker(self.url)
+        self.epoch = take_epoch(plain)
+        self.sessions = fence(plain, self.epoch)
+        self._purger = StudyPurger(
+            self.sessions, artifact_uri(self.settings), self.settings.delete_batch_trials,
+            finish=lambda purge: self.post(lambda: self._finish_delete(purge)),
+        )
         self._register_workers()
         self._load_throughput()
         self._recover()
         self._prune_events()
+        with self.sessions() as session:  # studies deleted before a restart that are not gone yet
+            hidden = session.execute(
+                select(Study.id, Study.optuna_study_id, Study.name)
+                .where(Study.state == StudyState.DELETING, Study.completed_at.is_not(None))
+            ).all()
+        for study_id, optuna_study_id, name in hidden:
+            self._purge(Purge(study_id, optuna_study_id, name))
+
+    def _purge(self, purge: Purge) -> None:
+        """Have a hidden study's artifacts and rows removed, off this thread (server/purge.py)."""
+        if self._purger is None:
+            raise RuntimeError("the coordinator is not set up")
+        self._purger.submit(purge)
+
+    def _purge_now(self, purge: Purge) -> None:
+        """Remove a small hidden study's artifacts and rows on this thread."""
+        if self._purger is None:
+            raise RuntimeError("the coordinator is not set up")
+        self._purger.purge(purge)
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the loop thread at its next turn, without waiting for it (any thread).
+        With no loop running (tests drive :meth:`step` themselves), the next step runs it."""
+        self._inbox.put((fn, Future()))
+        self._wake.set()
 
     def _prune_events(self) -> None:
         """Drop events past FUSETUNE_EVENTS_RETENTION_S: at start-up, then hourly."""
@@ -291,6 +345,8 @@ class Coordinator(StudyLifecycle):
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._purger is not None:
+            self._purger.stop()
 
     def wake(self) -> None:
         """Run a scheduling step now (a study was created), not at the next poll."""
@@ -368,6 +424,14 @@ class Coordinator(StudyLifecycle):
                     self._settle_heap()
                     self._wake.wait(timeout)
             except Exception as exc:  # keep scheduling; the error is in the log and the next step retries
+                if _stale(exc):
+                    # Another server schedules now: nothing this loop writes would land. It
+                    # stops, and its server steps down to a standby (its workers go too).
+                    log.error("%s: this server stops scheduling", exc)
+                    self._stop.set()
+                    if self.on_fenced is not None:
+                        self.on_fenced()
+                    return
                 if not database_unavailable(exc):
                     log.exception("scheduling step failed")
                     self._stop.wait(self.settings.poll_interval_s)
@@ -401,6 +465,7 @@ class Coordinator(StudyLifecycle):
 
     def step(self) -> None:
         """One round: take the workers' reports, start arrays on idle workers, ask for new trials."""
+        self._run_inbox()  # what other threads handed over (a purged study's last rows, ...)
         if time.monotonic() >= self._next_refresh:
             # Nodes may join or leave the Ray cluster after the service started.
             self._reregister = bool(self.pool.refresh()) or self._reregister

@@ -46,6 +46,7 @@ KINDS = (
     "array.changed",  # members joined, left (ended, pruned, preempted) or were offered
     "array.ended",  # COMPLETE or FAIL; data: state, error, requeued
     "study.completed",  # every trial has ended
+    "study.deleted",  # its rows are gone (it was hidden, 404, from the delete on); data: name
 )
 
 _events = Event.__table__

@@ -123,7 +123,7 @@ class Leadership:
     def __init__(self, app: FastAPI, settings: Settings, lock: SchedulerLock | None = None) -> None:
         self.app = app
         self.settings = settings
-        self.lock = lock or SchedulerLock(settings.database_url)
+        self.lock = lock or SchedulerLock(settings.scheduler_lock_url or settings.database_url)
         self.role = "standby"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -162,10 +162,24 @@ class Leadership:
                     signal.signal(signal.SIGTERM, on_sigterm)
             pool = make_pool(self.settings)
             coordinator = Coordinator(self.settings, pool)
-            coordinator.start()
+            coordinator.on_fenced = self._fenced
+            coordinator.start()  # takes a new fencing epoch before it writes anything
             self.app.state.pool, self.app.state.coordinator = pool, coordinator
             self.role = "leader"
         log.info("this server holds the scheduler lock: scheduling")
+
+    def _fenced(self) -> None:
+        """The database refused a commit of this server's loop: another server took a newer
+        fencing epoch (server/fencing.py), though this one may still think it holds the lock
+        (a killed lock session it has not noticed, a pooler that lends session locks to
+        whoever). It steps down at once, on a thread of its own (the loop's thread calls
+        this), lets the lock go, and stands by like any other server."""
+
+        def step_down() -> None:
+            self._step_down()
+            self.lock.release()
+
+        threading.Thread(target=step_down, name="fusetune-fenced", daemon=True).start()
 
     def _step_down(self) -> None:
         with self._guard:

@@ -41,7 +41,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from fusetune.server import events
 from fusetune.server.db import Array, ArrayMember, Study, StudyState, Tenant, Trial, TrialState, utcnow
+from fusetune.server import mirror
 from fusetune.server.mirror import StudyMirror
+from fusetune.server.purge import Purge
 from fusetune.server.schemas import FAILURE_ATTR
 from fusetune.server.service import Conflict, NotFound, check_running_quota, check_trials_quota
 from fusetune.server.settings import artifact_uri
@@ -88,6 +90,10 @@ class StudyLifecycle:
     if TYPE_CHECKING:
 
         def wake(self) -> None: ...
+
+        def _purge(self, purge: Purge) -> None: ...
+
+        def _purge_now(self, purge: Purge) -> None: ...
 
     # -- what request threads ask for (through Coordinator.call) -------------------------------
     def pause(self, study_id: int) -> None:
@@ -235,8 +241,7 @@ class StudyLifecycle:
         if arrays:
             return False  # it settles when its last array has stopped (its outcome recorded)
         if study.state == StudyState.DELETING:
-            self._delete_now(session, study)
-            return True
+            return self._delete_now(session, study)
         self._remove_artifacts(f"{study.name}/checkpoints")  # no trial of it will resume
         study.completed_at = now
         counts = session.execute(select(Trial.state, func.count()).where(Trial.study_id == study.id).group_by(Trial.state))
@@ -381,36 +386,52 @@ class StudyLifecycle:
                 current, trial_ids=tuple(i for i in current.trial_ids if i not in ids)
             )
 
-    def _delete_now(self, session: Session, study: Study) -> None:
-        """Remove a DELETING study's artifacts, then its rows and its Optuna study in one transaction.
+    def _delete_now(self, session: Session, study: Study) -> bool:
+        """Remove a DELETING study of which nothing runs any more: at once when it has at most
+        ``FUSETUNE_DELETE_BATCH_TRIALS`` trials (one batch's work on this thread); else hide
+        it, have its rows removed in batches off this thread, and return False.
 
-        Optuna's study goes as ``optuna.delete_study`` removes it (``RDBStorage.delete_study``:
-        the study row, whose ORM cascades take its trials, params, values, intermediate
-        values, attrs and directions), but in this session: one commit removes both, or
-        neither, and on SQLite a second connection would wait for this one's write lock.
-        The artifacts go first, so that a study the API no longer shows has none left; if
-        the commit fails, the study stays DELETING and the next step tries again.
+        Hiding is one short transaction: the study's ``completed_at`` is set (a DELETING study
+        with one is hidden: the API answers 404 and lists it nowhere, and no round reads it)
+        and its Optuna study is renamed (``optuna.load_study`` no longer finds it by its name).
+        Its artifacts and rows then go on the purger's thread (``server/purge.py``), which
+        hands the study's own rows back to the loop (:meth:`_finish_delete`). Its name is
+        taken until then: a new study of that name gets the usual 409.
         """
-        study_id, name = study.id, study.name
-        self._remove_artifacts(name)  # nothing of it runs: nothing writes there any more
-        trial_ids = session.scalars(select(Trial.id).where(Trial.study_id == study_id)).all()
-        arrays = select(Array.id).where(Array.study_id == study_id).scalar_subquery()
+        purge = Purge(study.id, study.optuna_study_id, study.name)
+        trials = session.scalar(select(func.count()).select_from(Trial).where(Trial.study_id == study.id)) or 0
+        resumed = list(self._resumes)
+        # SQLite may give a later trial the same id: the resume counts of this study's go.
+        gone = session.scalars(select(Trial.id).where(Trial.study_id == study.id, Trial.id.in_(resumed))).all() if resumed else []
         try:
-            session.execute(delete(ArrayMember).where(ArrayMember.array_id.in_(arrays)))
-            session.execute(delete(Trial).where(Trial.study_id == study_id))
-            session.execute(delete(Array).where(Array.study_id == study_id))
-            session.execute(delete(Study).where(Study.id == study_id))
-            optuna_study = session.get(rdb.StudyModel, study.optuna_study_id)
-            if optuna_study is not None:
-                session.delete(optuna_study)
+            mirror.hide_study(session, study.optuna_study_id, f"fusetune:deleted:{study.optuna_study_id}")
+            study.completed_at = utcnow()
             session.commit()
         except Exception:
             session.rollback()
             raise
-        self._forget(study_id)
-        for trial_id in trial_ids:  # SQLite may give a later trial the same id
+        for trial_id in gone:
             self._resumes.pop(trial_id, None)
-        log.info("study %d (%s) deleted", study_id, name)
+        self._forget(study.id)
+        if trials > self.settings.delete_batch_trials:
+            self._purge(purge)
+            log.info("study %d (%s) deleted: its %d trials are being removed", study.id, study.name, trials)
+            return False
+        self._purge_now(purge)
+        self._finish_delete(purge)
+        return True
+
+    def _finish_delete(self, purge: Purge) -> None:
+        """Remove a purged study's own rows (its trials, arrays and artifacts are gone) and
+        record ``study.deleted``, on the loop's thread: it alone writes events."""
+        with self.sessions.begin() as session:
+            study = session.get(Study, purge.study_id)
+            if study is None:
+                return
+            mirror.delete_study(session, purge.optuna_study_id)
+            events.record(session, "study.deleted", tenant=study.tenant, study_id=study.id, name=study.name)
+            session.execute(delete(Study).where(Study.id == purge.study_id))
+        log.info("study %d (%s): removed", purge.study_id, purge.name)
 
     def _forget(self, study_id: int) -> None:
         """Drop what the loop holds of a study that no longer runs (SQLite may reuse its id)."""

@@ -376,3 +376,40 @@ class StudyMirror:
                 stored, kind = rdb.TrialValueModel.value_to_stored_repr(value)
                 rows.append({"trial_id": trial_id, "objective": objective, "value": stored, "value_type": kind})
             add_rows(session, rdb.TrialValueModel.__table__, rows)
+
+
+# -- removing a deleted study's rows (server/purge.py) ------------------------------------------
+#: Optuna's tables of a trial's parts, each with a ``trial_id``: removed before the trials.
+_TRIAL_PARTS = (
+    rdb.TrialIntermediateValueModel, rdb.TrialParamModel, rdb.TrialValueModel, rdb.TrialUserAttributeModel,
+    rdb.TrialSystemAttributeModel, rdb.TrialHeartbeatModel,
+)
+#: Optuna's tables of a study's parts, each with a ``study_id``: removed before the study.
+_STUDY_PARTS = (rdb.StudyDirectionModel, rdb.StudyUserAttributeModel, rdb.StudySystemAttributeModel)
+
+
+def hide_study(session: Session, study_id: int, hidden_name: str) -> None:
+    """Rename an Optuna study that is being deleted, in the caller's transaction:
+    ``optuna.load_study`` no longer finds it by its name while its rows go in batches."""
+    session.execute(update(rdb.StudyModel).where(rdb.StudyModel.study_id == study_id).values(study_name=hidden_name))
+
+
+def some_trial_ids(session: Session, study_id: int, limit: int) -> list[int]:
+    """Up to ``limit`` of the Optuna study's trial ids: the next batch to remove."""
+    model = rdb.TrialModel
+    return list(session.scalars(select(model.trial_id).where(model.study_id == study_id).order_by(model.trial_id).limit(limit)))
+
+
+def delete_trials(session: Session, trial_ids: Sequence[int]) -> int:
+    """Remove these Optuna trials with all their parts, table by table, in the caller's
+    transaction (Optuna's ORM cascade would load every row first); returns the rows removed."""
+    removed = 0
+    for model in (*_TRIAL_PARTS, rdb.TrialModel):
+        removed += session.execute(delete(model).where(model.trial_id.in_(trial_ids))).rowcount or 0
+    return removed
+
+
+def delete_study(session: Session, study_id: int) -> None:
+    """Remove an Optuna study whose trials are gone, with its directions and attrs."""
+    for model in (*_STUDY_PARTS, rdb.StudyModel):
+        session.execute(delete(model).where(model.study_id == study_id))

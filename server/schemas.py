@@ -664,7 +664,7 @@ class EventOut(BaseModel):
     id: int = Field(description="Increasing; send the last one seen as Last-Event-ID to resume after it.")
     kind: Literal[
         "trial.asked", "trial.started", "trial.reported", "trial.ended",
-        "array.started", "array.changed", "array.ended", "study.completed",
+        "array.started", "array.changed", "array.ended", "study.completed", "study.deleted",
     ]
     tenant: str
     study_id: int

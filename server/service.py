@@ -227,7 +227,7 @@ def list_studies(
 ) -> Page[StudyOut]:
     """A page of studies, optionally of one tenant, by name or in ``states``; a tenant sees
     only its own. Counts and best trials come in SQL for the whole page (``reads.study_outs``)."""
-    query = select(Study)
+    query = select(Study).where(Study.visible)
     if as_tenant is not None:
         query = query.where(Study.tenant == as_tenant)
     if tenant is not None:
@@ -246,7 +246,7 @@ def get_study(session: Session, url: str, study_id: int, *, as_tenant: str | Non
 
 def _study(session: Session, study_id: int, as_tenant: str | None = None) -> Study:
     study = session.get(Study, study_id)
-    if study is None or (as_tenant is not None and study.tenant != as_tenant):
+    if study is None or (as_tenant is not None and study.tenant != as_tenant) or not study.visible:
         raise NotFound(f"study {study_id} does not exist")
     return study
 
@@ -470,7 +470,7 @@ def delete_study(
 
 def _trial(session: Session, trial_id: int, as_tenant: str | None = None) -> Trial:
     trial = session.get(Trial, trial_id)
-    if trial is None or (as_tenant is not None and trial.study.tenant != as_tenant):
+    if trial is None or (as_tenant is not None and trial.study.tenant != as_tenant) or not trial.study.visible:
         raise NotFound(f"trial {trial_id} does not exist")
     return trial
 
@@ -499,9 +499,7 @@ def list_arrays(
     as_tenant: str | None = None,
 ) -> Page[ArrayOut]:
     """A page of arrays, optionally of one study, one tenant or in ``states``; a tenant sees only its own."""
-    query = select(Array)
-    if as_tenant is not None or tenant is not None:
-        query = query.join(Study, Array.study_id == Study.id)
+    query = select(Array).join(Study, Array.study_id == Study.id).where(Study.visible)
     if as_tenant is not None:
         query = query.where(Study.tenant == as_tenant)
     if tenant is not None:

@@ -27,6 +27,13 @@ class Settings(BaseSettings):
         "sqlite:///./fusetune.db",
         description="SQLAlchemy URL of the database holding both fusetune's and Optuna's tables.",
     )
+    scheduler_lock_url: str | None = Field(
+        None,
+        description="Where the scheduler lock's own connection goes, when not FUSETUNE_DATABASE_URL: "
+        "behind a pooler in transaction mode (PgBouncer's default) a session's advisory lock does not "
+        "hold, so point this at PostgreSQL itself or at a session-mode pool. Commits stay fenced either "
+        "way (server/fencing.py).",
+    )
     ray_address: str | None = Field(
         None, description="Address of an existing Ray cluster; unset starts a local Ray instance."
     )
@@ -80,6 +87,13 @@ class Settings(BaseSettings):
     )
     db_retry_s: float = Field(
         1.0, gt=0, description="First wait before the scheduling loop retries a database that failed (doubling, up to 5 s)."
+    )
+    delete_batch_trials: int = Field(
+        200,
+        ge=1,
+        description="Trials (with their every row: values, params, attrs, revisions) removed per "
+        "transaction when a deleted study's rows go, on a thread of their own: small transactions "
+        "interleave with the scheduling loop's (a study of 100,000 trials x 20 epochs is ~3 million rows).",
     )
     prune_reply_timeout_s: float = Field(
         60.0,

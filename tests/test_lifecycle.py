@@ -256,7 +256,13 @@ def test_delete_on_a_running_sweep_removes_its_rows_optuna_study_and_artifacts(l
             return exc.status_code == 404
         return False
 
-    until("the study to be gone", gone)
+    until("the study to be gone", gone)  # hidden at once; its rows then go in batches, off the loop
+
+    def removed() -> bool:
+        with get_engine(live.url).connect() as conn:
+            return conn.execute(sa.text("SELECT COUNT(*) FROM ft_studies WHERE id = :id"), {"id": ours["id"]}).scalar_one() == 0
+
+    until("the study's rows to be removed", removed)
     with get_engine(live.url).connect() as conn:
         for table in ("ft_studies", "ft_trials", "ft_arrays"):
             column = "id" if table == "ft_studies" else "study_id"

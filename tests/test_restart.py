@@ -169,3 +169,66 @@ def test_sigterm_shuts_the_service_down_gracefully_mid_sweep(tmp_path: Path) -> 
         assert "SystemExit" not in log and "Traceback" not in log
     finally:
         service.stop()
+
+
+def test_a_scheduler_whose_lock_session_is_killed_is_fenced_and_the_standby_resumes_once(tmp_path: Path) -> None:
+    """PostgreSQL: the leader's lock session is killed (pg_terminate_backend) while the leader
+    lives on and, polling its lock only hourly, keeps scheduling. The standby takes the lock
+    and a newer fencing epoch, and re-queues the leader's array; from then on the database
+    refuses every commit of the old leader (server/fencing.py), which steps down. No write
+    of it lands after the takeover: every trial resumed once, no step is stored twice."""
+    from tests.conftest import _postgres_database
+
+    generator = _postgres_database()
+    url = next(generator)
+    artifacts, epochs, name = tmp_path / "artifacts", 60, "fenced"
+    admin = secrets.token_urlsafe(24)
+    # The old leader never looks at its lock again: only the fence can stop it.
+    leader = ServiceProcess({**env_for(url, artifacts), "FUSETUNE_LEADER_POLL_S": "3600"}, tmp_path / "leader.log", admin).start()
+    standby = ServiceProcess(env_for(url, artifacts), tmp_path / "standby.log", admin)
+    try:
+        leader.healthy()
+        standby.start().healthy(workers=False)
+        with Client(leader.url, token=leader.token()) as client:
+            sid, durable = start_sweep(client, url, name, epochs)
+        engine = sa.create_engine(url)
+        try:
+            with engine.connect() as conn:
+                epoch_before = conn.execute(sa.text("SELECT epoch FROM ft_scheduler")).scalar_one()
+                killed = conn.execute(sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                )).scalars().all()
+            assert killed == [True], killed  # the leader's one lock session
+            hit = time.monotonic()
+            with Client(standby.url, token=standby.token()) as reader:
+                standby.healthy()  # it took the lock, a new epoch, and started its workers
+                wait_until(lambda: "another server schedules on this database now" in leader.log_path.read_text(errors="replace"),
+                           "the old leader to be refused by the fence", 240, explain=leader.log_tail)
+                wait_until(lambda: resumed(reader, sid, set(durable)), "the members to resume on the new scheduler", 240,
+                           explain=standby.log_tail)
+                recovered = time.monotonic() - hit
+                done = reader.wait(sid, timeout=300)
+            with engine.connect() as conn:
+                assert conn.execute(sa.text("SELECT epoch FROM ft_scheduler")).scalar_one() == epoch_before + 1
+        finally:
+            engine.dispose()
+        assert leader.proc is not None and leader.proc.poll() is None  # the old leader lives on, as a standby
+        assert httpx.get(f"{leader.url}/healthz").json()["workers"] == 0
+        assert done["trial_counts"].get("COMPLETE") == 4, done["trial_counts"]
+        result = audit(url, name, epochs)
+        assert result["unfinished"] == [] and result["states"] == ["COMPLETE"]
+        assert result["points_lost"] == 0 and result["points_duplicated"] == 0
+        # Resumed once each, by the standby, from a checkpoint the old leader had recorded.
+        assert set(result["resumed_at_epochs"]) == set(durable)
+        assert all(len(at) == 1 and at[0] >= durable[n] for n, at in result["resumed_at_epochs"].items()), result
+        record(
+            "scheduler lock session killed, old leader alive (postgresql)", points_lost=0, points_duplicated=0,
+            epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
+            resumed_at_epochs=result["resumed_at_epochs"], trials_failed=0, stale_writes_landed=0,
+            how="measured by tests/test_restart.py (the stale leader refused by the fencing row)",
+        )
+    finally:
+        leader.stop()
+        standby.stop()
+        generator.close()

@@ -11,7 +11,8 @@ import enum
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, func, select
+from sqlalchemy import JSON, BigInteger, ColumnElement, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, func, or_, select
+from sqlalchemy.ext.hybrid import hybrid_property
 from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
@@ -119,6 +120,9 @@ class Token(Base):
     Tokens are ``secrets.token_urlsafe(32)`` strings (256 random bits), so an unsalted hash is
     as good as a password hash here and lets a request find its token by an indexed lookup.
     A revoked token keeps its row (``revoked_at``) so that its id still names it.
+    ``minted_by`` is the token whose bearer created this one (None: the admin or the operator
+    did): revoking a token revokes every token minted from it, transitively
+    (``server/tenants.py``), so spares minted with a leaked token die with it.
     """
 
     __tablename__ = "ft_tokens"
@@ -131,6 +135,9 @@ class Token(Base):
     label: Mapped[str | None] = mapped_column(String(255), nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    minted_by: Mapped[int | None] = mapped_column(
+        ForeignKey("ft_tokens.id", name="fk_ft_tokens_minted_by", ondelete="CASCADE"), nullable=True, index=True
+    )
 
 
 class Study(Base):
@@ -161,6 +168,17 @@ class Study(Base):
     completed_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
     trials: Mapped[list[Trial]] = relationship(back_populates="study", order_by="Trial.number")
+
+    @hybrid_property
+    def visible(self) -> bool:
+        """Whether the API shows the study: not once it is deleted and nothing of it runs
+        (DELETING with ``completed_at`` set), while its rows are removed (server/purge.py)."""
+        return self.state != StudyState.DELETING or self.completed_at is None
+
+    @visible.inplace.expression
+    @classmethod
+    def _visible_expression(cls) -> ColumnElement[bool]:
+        return or_(cls.state != StudyState.DELETING, cls.completed_at.is_(None))
 
 
 class Trial(Base):
@@ -305,7 +323,7 @@ class Event(Base):
     tenant: Mapped[str] = mapped_column(String(255), index=True)
     study_id: Mapped[int] = mapped_column(Integer, index=True)
     #: trial.asked, trial.started, trial.reported, trial.ended, array.started, array.changed,
-    #: array.ended, study.completed
+    #: array.ended, study.completed, study.deleted (its rows are gone)
     kind: Mapped[str] = mapped_column(String(32))
     trial_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     array_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -354,3 +372,22 @@ class Revision(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     value: Mapped[int] = mapped_column(BigInteger)
+
+
+class SchedulerFence(Base):
+    """The scheduler of record: one row, whose ``epoch`` each new scheduler increments.
+
+    Every commit of the scheduling loop first checks, in its own transaction, that the epoch
+    is still the one its scheduler took (``server/fencing.py``). A scheduler that lost the
+    database's lock without noticing (a killed lock session, a database restart, a pooler
+    that does not keep session locks) and goes on writing is refused by the database itself,
+    from the moment another scheduler has taken over.
+    """
+
+    __tablename__ = "ft_scheduler"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    #: host:pid of the scheduler that took the epoch, and when.
+    leader: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    since: Mapped[datetime | None] = mapped_column(nullable=True)
