@@ -391,9 +391,9 @@ def ingest(recorder: Recorder, arrays: list[tuple[int, dict[int, int]]], epochs:
 
 
 def _cursor_at(number: int) -> str:
-    from fusetune.server.pagination import encode_cursor
+    from fusetune.server.pagination import TRIAL_CURSOR, TrialKey
 
-    return encode_cursor("number", [number, 0])
+    return TRIAL_CURSOR.encode(TrialKey(number=number, id=0, revision=0, value=None))
 
 
 def table(results: dict[str, Any]) -> str:

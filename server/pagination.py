@@ -1,5 +1,5 @@
-"""Cursor pagination of the list routes: ``limit``, an opaque ``after`` cursor, and a ``Link``
-header (RFC 8288, ``rel="next"``) naming the next page.
+"""Cursor pagination of the list routes: ``limit``, an ``after`` cursor, and a ``Link`` header
+(RFC 8288, ``rel="next"``) naming the next page.
 
 A page is read by keyset ("the rows after this row's sort key"), never by offset, so a page
 costs the same at the start and the end of 100,000 trials, and rows that are added or change
@@ -7,34 +7,37 @@ between two requests are neither skipped nor repeated because of it. The respons
 a JSON list, as before pagination: a client that wants more follows the ``Link`` header, and
 the last page has none.
 
-A cursor is the sort key of the page's last row with the sort's name, in URL-safe base64
-JSON; one that does not decode, or that was given out for another sort, is a 422 naming
-``after``.
+A cursor is the position of the page's last row: its key in every order its listing can be
+sorted by (:class:`CursorFormat`), so the next page is "the rows after that row" in whatever
+order the request asks. Each listing's cursors have a regular grammar that its ``after``
+parameter states as its OpenAPI ``pattern``: every string the pattern matches is a position
+the listing accepts, and any other is a 422 naming ``after`` (FastAPI's, before the route
+runs). A client takes cursors from the ``Link`` header and never needs to build one.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fastapi import Query, Request, Response
 from pydantic import BaseModel, TypeAdapter
 
 __all__ = [
     "DEFAULT_LIMIT",
+    "ID_CURSOR",
     "LINK_HEADER",
     "MAX_LIMIT",
+    "NAME_CURSOR",
+    "TRIAL_CURSOR",
+    "CursorFormat",
     "Page",
     "PageParams",
-    "decode_cursor",
-    "encode_cursor",
-    "invalid_cursor",
+    "TrialKey",
     "json_page",
     "page_params",
     "paged",
@@ -45,6 +48,7 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 #: How list routes document the header in the OpenAPI document.
 LINK_HEADER = {
@@ -53,6 +57,73 @@ LINK_HEADER = {
         "schema": {"type": "string"},
     }
 }
+
+# The grammar's pieces. Integers have at most 18 digits, so every one is below 2**63 and
+# the database can compare it (SQLite binds nothing wider). A float is Python's repr without
+# the exponent's "+" (a "+" in a query string reads as a space); one past float's range is
+# infinite, which the databases compare too: a position after every finite value.
+_INT = r"[0-9]{1,18}"
+_FLOAT = r"-?[0-9]{1,17}(\.[0-9]{1,24})?(e-?[0-9]{1,3})?"
+_NO_VALUE = "n"
+
+
+@dataclass(frozen=True)
+class TrialKey:
+    """A trial's position in every order of a study's trials: by number, revision and value."""
+
+    number: int
+    id: int
+    revision: int
+    value: float | None  # None: in the run of trials without a value, which comes last
+
+
+@dataclass(frozen=True)
+class CursorFormat(Generic[K]):
+    """The cursors of one listing: a regular grammar, its key's encoding and decoding.
+
+    ``pattern`` (a full-match regular expression, ECMA-262 and Rust alike) is what the
+    listing's ``after`` parameter states in the OpenAPI document and what FastAPI checks;
+    ``decode`` turns every string it matches into a key, and ``encode`` gives a key's cursor.
+    """
+
+    pattern: str
+    example: str
+    encode: Callable[[K], str]
+    decode: Callable[[str], K]
+
+    def __post_init__(self) -> None:
+        assert re.fullmatch(self.pattern, self.example) and self.encode(self.decode(self.example)) == self.example
+
+
+def _float_text(value: float) -> str:
+    """``value`` in the cursor grammar: its repr, which reads back as the same float."""
+    if math.isnan(value):
+        raise ValueError("a NaN has no position: Optuna stores no NaN value")
+    if math.isinf(value):
+        return "1e999" if value > 0 else "-1e999"  # reads back as the same infinity
+    return repr(float(value)).replace("e+", "e")
+
+
+def _encode_trial(key: TrialKey) -> str:
+    value = _NO_VALUE if key.value is None else _float_text(key.value)
+    return f"{key.number}_{key.id}_{key.revision}_{value}"
+
+
+def _decode_trial(cursor: str) -> TrialKey:
+    number, id_, revision, value = cursor.split("_")
+    return TrialKey(int(number), int(id_), int(revision), None if value == _NO_VALUE else float(value))
+
+
+#: Listings by integer id (studies, arrays, a tenant's tokens): the last row's id.
+ID_CURSOR: CursorFormat[int] = CursorFormat(f"^{_INT}$", "42", str, int)
+#: Listings by name (tenants): the last row's name (a tenant name's grammar).
+NAME_CURSOR: CursorFormat[str] = CursorFormat(
+    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$", "team-a", lambda name: name, lambda cursor: cursor
+)
+#: A study's trials: ``<number>_<id>_<revision>_<value>`` of the last row, ``n`` for no value.
+TRIAL_CURSOR: CursorFormat[TrialKey] = CursorFormat(
+    f"^{_INT}_{_INT}_{_INT}_({_NO_VALUE}|{_FLOAT})$", "7_1234_98765_0.8125", _encode_trial, _decode_trial
+)
 
 
 @dataclass
@@ -65,60 +136,28 @@ class Page(Generic[T]):
 
 @dataclass(frozen=True)
 class PageParams:
+    """A request's page: at most ``limit`` rows after the cursor ``after`` (None: from the start)."""
+
     limit: int = DEFAULT_LIMIT
     after: str | None = None
 
 
-async def page_params(
-    limit: int = Query(
-        DEFAULT_LIMIT, ge=1, le=MAX_LIMIT, description=f"Rows per page (default {DEFAULT_LIMIT}, at most {MAX_LIMIT})."
-    ),
-    after: str | None = Query(
-        None, min_length=1, max_length=1024,
-        description='The cursor of the page to read, from the previous page\'s `Link: <...>; rel="next"` header.',
-    ),
-) -> PageParams:
-    return PageParams(limit=limit, after=after)
+def page_params(cursor: CursorFormat[Any]) -> Callable[..., Any]:
+    """The dependency reading ``limit`` and ``after`` of a listing whose cursors are ``cursor``'s."""
 
+    async def dependency(
+        limit: int = Query(
+            DEFAULT_LIMIT, ge=1, le=MAX_LIMIT, description=f"Rows per page (default {DEFAULT_LIMIT}, at most {MAX_LIMIT})."
+        ),
+        after: str = Query(  # not nullable in the document: absent is None
+            None, pattern=cursor.pattern, examples=[cursor.example],
+            description="The position to read on from: the cursor in the previous page's `Link: <...>; rel=\"next\"` "
+            "header (the last row's position in every order of the listing, so it works with any `sort`).",
+        ),
+    ) -> PageParams:
+        return PageParams(limit=limit, after=after)
 
-def encode_cursor(sort: str, key: Sequence[Any]) -> str:
-    raw = json.dumps([sort, *key], separators=(",", ":"), allow_nan=False)
-    return base64.urlsafe_b64encode(raw.encode()).rstrip(b"=").decode()
-
-
-def invalid_cursor(message: str = "not a cursor of this listing") -> NoReturn:
-    """Raise the 422 naming ``after``."""
-    from fusetune.server.service import Invalid  # service imports this module
-
-    raise Invalid("after", message, where="query")
-
-
-def decode_cursor(cursor: str, sort: str, types: Sequence[type | tuple[type, ...]]) -> list[Any]:
-    """The sort key in ``cursor``; each element an instance of its entry in ``types``.
-
-    Raises:
-        service.Invalid: naming ``after`` (a 422), when the cursor is not one this sort gave out.
-    """
-    try:
-        data = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-    except (binascii.Error, ValueError, UnicodeDecodeError):
-        invalid_cursor("not a cursor: pass the `after` of a previous page's Link header")
-    if not isinstance(data, list) or not data or data[0] != sort:
-        given = data[0] if isinstance(data, list) and data and isinstance(data[0], str) else None
-        invalid_cursor(f"this cursor pages sort={given!r}, not sort={sort!r}" if given else "not a cursor of this listing")
-    key = data[1:]
-    if len(key) != len(types) or not all(
-        isinstance(k, t) and not (isinstance(k, bool) and bool not in _tuple(t)) for k, t in zip(key, types)
-    ):
-        invalid_cursor()
-    # What the database can compare: 64-bit integers, finite floats.
-    if any((type(k) is int and not -(2**63) <= k < 2**63) or (isinstance(k, float) and not math.isfinite(k)) for k in key):
-        invalid_cursor()
-    return key
-
-
-def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
-    return t if isinstance(t, tuple) else (t,)
+    return dependency
 
 
 def _next_link(request: Request, cursor: str) -> str:

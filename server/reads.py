@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
 from fusetune.server.curves import downsample
 from fusetune.server.db import Array, Study, Trial, TrialRevision, TrialState
-from fusetune.server.pagination import Page, PageParams, decode_cursor, encode_cursor, invalid_cursor
+from fusetune.server.pagination import ID_CURSOR, TRIAL_CURSOR, Page, PageParams, TrialKey
 from fusetune.server.schemas import ArrayOut, BestTrial, StudyOut, TrialOut
 
 __all__ = ["ID_SORTS", "TRIAL_SORTS", "arrays_page", "keyset_page", "study_outs", "trial_outs", "trials_page"]
@@ -74,9 +74,9 @@ def keyset_page(
 
 def id_page(session: Session, query: Select[tuple[_R]], column: Any, sort: str, page: PageParams) -> Page[_R]:
     """A page of ``query`` by its integer id ``column``, ``sort`` one of :data:`ID_SORTS`."""
-    after = decode_cursor(page.after, sort, (int,)) if page.after else None
+    after = (ID_CURSOR.decode(page.after),) if page.after else None
     rows, more = keyset_page(session, query, (column,), sort.startswith("-"), after, page.limit)
-    return Page(rows, encode_cursor(sort, [_attr(rows[-1], column)]) if more else None)
+    return Page(rows, ID_CURSOR.encode(_attr(rows[-1], column)) if more else None)
 
 
 def _attr(row: Any, column: Any) -> Any:
@@ -104,43 +104,35 @@ def trials_page(
         query = query.join(TrialRevision, TrialRevision.trial_id == Trial.id).where(TrialRevision.study_id == study.id)
     if updated_since is not None:
         query = query.where(TrialRevision.revision > updated_since)
+    after = TRIAL_CURSOR.decode(page.after) if page.after else None
     if sort in ("value", "-value"):
-        rows, next_cursor = _value_page(session, query, sort, page)
+        rows, more = _value_page(session, query, sort == "-value", after, page.limit)
     else:
         columns = (TrialRevision.revision, TrialRevision.trial_id) if sort == "revision" else (Trial.number, Trial.id)
-        after = decode_cursor(page.after, sort, (int, int)) if page.after else None
-        rows, more = keyset_page(session, query, columns, sort.startswith("-"), after, page.limit)
-        keys = ("revision", "id") if sort == "revision" else ("number", "id")  # the trial's, as the columns hold them
-        next_cursor = encode_cursor(sort, [getattr(rows[-1], k) for k in keys]) if more else None
+        seek = None if after is None else (after.revision, after.id) if sort == "revision" else (after.number, after.id)
+        rows, more = keyset_page(session, query, columns, sort.startswith("-"), seek, page.limit)
+    if not more:
+        return Page(trial_outs(session, rows, max_points=max_points), None)
+    last = rows[-1]  # a trial not yet in ft_trial_revisions has no place in that order: 0 stands for it
+    next_cursor = TRIAL_CURSOR.encode(TrialKey(last.number, last.id, last.revision or 0, last.value))
     return Page(trial_outs(session, rows, max_points=max_points), next_cursor)
 
 
-def _value_page(session: Session, query: Select[tuple[Trial]], sort: str, page: PageParams) -> tuple[list[Trial], str | None]:
-    """Trials with a value by value (ties by id), then those without one by id.
-
-    The cursor says which of the two runs the last row was in: ``[in_nulls, value, id]``.
-    """
-    descending = sort == "-value"
-    key = decode_cursor(page.after, sort, (bool, (int, float, _NONE), int)) if page.after else None
-    if key is not None and not key[0] and key[1] is None:
-        invalid_cursor()  # a cursor of the valued run names its value
+def _value_page(
+    session: Session, query: Select[tuple[Trial]], descending: bool, after: TrialKey | None, limit: int
+) -> tuple[list[Trial], bool]:
+    """Up to ``limit`` trials after ``after``: those with a value by value (ties by id), then
+    those without one by id; and whether more follow. A position without a value is in the
+    second run."""
     rows: list[Trial] = []
-    if key is None or not key[0]:
-        after = None if key is None else (float(key[1]), key[2])
-        rows, more = keyset_page(
-            session, query.where(Trial.value.is_not(None)), (Trial.value, Trial.id), descending, after, page.limit
-        )
+    if after is None or after.value is not None:
+        seek = None if after is None else (after.value, after.id)
+        rows, more = keyset_page(session, query.where(Trial.value.is_not(None)), (Trial.value, Trial.id), descending, seek, limit)
         if more:
-            return rows, encode_cursor(sort, [False, rows[-1].value, rows[-1].id])
-    null_after = key[2] if key is not None and key[0] else None
-    nulls, more = keyset_page(
-        session, query.where(Trial.value.is_(None)), (Trial.id,), False,
-        None if null_after is None else (null_after,), page.limit - len(rows),
-    )
-    rows += nulls
-    if not more:
-        return rows, None
-    return rows, encode_cursor(sort, [True, None, nulls[-1].id if nulls else (null_after or 0)])
+            return rows, True
+    seek = (after.id,) if after is not None and after.value is None else None
+    nulls, more = keyset_page(session, query.where(Trial.value.is_(None)), (Trial.id,), False, seek, limit - len(rows))
+    return rows + nulls, more
 
 
 @lru_cache(maxsize=4096)

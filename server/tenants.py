@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from fusetune.server.auth import TokenRevoked, hash_token, new_token
 from fusetune.server.db import Study, StudyState, Tenant, Token, utcnow
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreated, TokenOut
-from fusetune.server.pagination import Page, PageParams, decode_cursor, encode_cursor
+from fusetune.server.pagination import NAME_CURSOR, Page, PageParams
 from fusetune.server.reads import id_page, keyset_page
 from fusetune.server.service import Conflict, NotFound, lock_tenant
 
@@ -32,9 +32,9 @@ def list_tenants(session: Session, *, page: PageParams = PageParams(), as_tenant
     query = select(Tenant)
     if as_tenant is not None:
         query = query.where(Tenant.name == as_tenant)
-    after = decode_cursor(page.after, "name", (str,)) if page.after else None
+    after = (NAME_CURSOR.decode(page.after),) if page.after else None
     rows, more = keyset_page(session, query, (Tenant.name,), False, after, page.limit)
-    return Page([TenantOut.model_validate(t) for t in rows], encode_cursor("name", [rows[-1].name]) if more else None)
+    return Page([TenantOut.model_validate(t) for t in rows], NAME_CURSOR.encode(rows[-1].name) if more else None)
 
 
 def create_tenant(session: Session, request: TenantCreate) -> TenantCreated:

@@ -15,7 +15,7 @@ from fusetune.server import tenants
 from fusetune.server.api.deps import SessionRoute, authenticate, get_app_settings, get_session, require_admin
 from fusetune.server.api.errors import CONFLICT, TokenId
 from fusetune.server.auth import Principal, TokenRevoked
-from fusetune.server.pagination import LINK_HEADER, PageParams, page_params, paged
+from fusetune.server.pagination import ID_CURSOR, LINK_HEADER, NAME_CURSOR, PageParams, page_params, paged
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreate, TokenCreated, TokenOut
 from fusetune.server.settings import Settings
 
@@ -28,7 +28,7 @@ TenantName = Path(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9
 def list_tenants(
     request: Request,
     response: Response,
-    page: PageParams = Depends(page_params),
+    page: PageParams = Depends(page_params(NAME_CURSOR)),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
 ) -> list[TenantOut]:
@@ -60,7 +60,7 @@ def list_tokens(
     request: Request,
     response: Response,
     name: str = TenantName,
-    page: PageParams = Depends(page_params),
+    page: PageParams = Depends(page_params(ID_CURSOR)),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
 ) -> list[TokenOut]:
