@@ -34,7 +34,7 @@ from fusetune.server.schemas import (
 from fusetune.server.settings import Settings
 from fusetune.server.curves import MIN_POINTS
 from fusetune.server.db import ArrayState, StudyState, TrialState
-from fusetune.server.pagination import LINK_HEADER, PageParams, json_page, page_params, paged
+from fusetune.server.pagination import ID_CURSOR, LINK_HEADER, TRIAL_CURSOR, PageParams, json_page, page_params, paged
 from fusetune.server.reads import ID_SORTS, TRIAL_SORTS
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route_class=SessionRoute)
@@ -82,7 +82,7 @@ def list_studies(
     ),
     state: list[StudyState] | None = Query(None, description="Only studies in these states (repeat the parameter)."),
     sort: IdSort = Query("id", description="By id, oldest first (`id`) or newest first (`-id`)."),
-    page: PageParams = Depends(page_params),
+    page: PageParams = Depends(page_params(ID_CURSOR)),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
@@ -118,7 +118,7 @@ def list_trials(
         "so far, and a poll downloads only what changed since (0: every trial).",
     ),
     max_points: int | None = MaxPoints,
-    page: PageParams = Depends(page_params),
+    page: PageParams = Depends(page_params(TRIAL_CURSOR)),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
@@ -313,7 +313,7 @@ def list_arrays(
         description="Only this tenant's (a tenant's token sees only its own anyway).",
     ),
     sort: IdSort = Query("id", description="By id, oldest first (`id`) or newest first (`-id`)."),
-    page: PageParams = Depends(page_params),
+    page: PageParams = Depends(page_params(ID_CURSOR)),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
 ) -> list[ArrayOut]:
