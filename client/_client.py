@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -32,6 +33,13 @@ class FusetuneError(RuntimeError):
         super().__init__(f"HTTP {status_code}: {detail}")
         self.status_code = status_code
         self.detail = detail
+
+
+def segment(text: str) -> str:
+    """``text`` as one path segment of a URL: every character but letters, digits, ``-``,
+    ``_`` and ``~`` percent-encoded, so a ``/``, ``?``, ``#`` or ``%`` in it stays in it, and
+    ``.`` too (httpx would resolve a ``.`` or ``..`` segment away)."""
+    return quote(text, safe="").replace(".", "%2E")
 
 
 def _failure(response: httpx.Response) -> FusetuneError:
@@ -183,7 +191,7 @@ class Client:
         return self._call("DELETE", f"/api/v1/studies/{study_id}")
 
     def set_study_user_attr(self, study_id: int, key: str, value: Any) -> dict[str, Any]:
-        return self._call("PUT", f"/api/v1/studies/{study_id}/user_attrs/{key}", json={"value": value})
+        return self._call("PUT", f"/api/v1/studies/{study_id}/user_attrs/{segment(key)}", json={"value": value})
 
     def arrays(self, study_id: int | None = None, *, state: str | list[str] | None = None) -> list[dict[str, Any]]:
         """The arrays this token sees (every page), of one study or in ``state`` if given."""
@@ -202,18 +210,18 @@ class Client:
 
     def update_tenant(self, name: str, **fields: Any) -> dict[str, Any]:
         """Change a tenant's weight, max_running_studies or max_trials_per_study (admin; None: no limit)."""
-        return self._call("PATCH", f"/api/v1/tenants/{name}", json=fields)
+        return self._call("PATCH", f"/api/v1/tenants/{segment(name)}", json=fields)
 
     def set_weight(self, name: str, weight: float) -> dict[str, Any]:
         return self.update_tenant(name, weight=weight)
 
     def tokens(self, tenant: str) -> list[dict[str, Any]]:
         """A tenant's tokens: ids, labels, dates (never the tokens themselves)."""
-        return self._listing(f"/api/v1/tenants/{tenant}/tokens")
+        return self._listing(f"/api/v1/tenants/{segment(tenant)}/tokens")
 
     def create_token(self, tenant: str, label: str | None = None) -> dict[str, Any]:
         """Another token for ``tenant`` (the admin, or the tenant itself); ``["token"]`` is shown only here."""
-        return self._call("POST", f"/api/v1/tenants/{tenant}/tokens", json={"label": label})
+        return self._call("POST", f"/api/v1/tenants/{segment(tenant)}/tokens", json={"label": label})
 
     def revoke_token(self, token_id: int) -> dict[str, Any]:
         return self._call("DELETE", f"/api/v1/tokens/{token_id}")

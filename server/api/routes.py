@@ -201,11 +201,15 @@ def decide_pruning(
     return service.decide_pruning(session, url, coordinator, trial_id, body, as_tenant=principal.tenant)
 
 
-@router.put("/studies/{study_id}/user_attrs/{key}", response_model=StudyOut, tags=["studies"])
+# `{key:path}`: a key may hold "/" (sent as %2F, which the server decodes before routing).
+@router.put("/studies/{study_id}/user_attrs/{key:path}", response_model=StudyOut, tags=["studies"])
 def set_study_user_attr(
     study_id: StudyId,
     body: AttrValue,
-    key: str = Path(min_length=1, max_length=512, pattern=r"^[^\x00]+$", description="Any text but NUL."),
+    key: str = Path(
+        min_length=1, max_length=512, pattern=r"^[^\x00]+$",
+        description="Any text but NUL, percent-encoded as one path segment (a `/` as `%2F`).",
+    ),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
