@@ -11,5 +11,10 @@ class FusionError(ValueError):
     """
 
 
+class UnsupportedByTwin(FusionError):
+    """A layer configuration its fused twin does not support but torch's own layer runs
+    (InstanceNorm with running statistics, an LSTM projection): the batched path runs it."""
+
+
 class FusionWarning(UserWarning):
     """Something the engine handles correctly but without the speed of fusion."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ._errors import FusionError
 from .nn import TWINS
@@ -94,13 +95,27 @@ def check_same_layout(models: Sequence[nn.Module], reference: nn.Module) -> None
             if path not in by_path:
                 raise FusionError(f"{module_label(path, mod)} exists in member 0 but not in member {b}")
             other, other_entry = by_path[path]
-            if type(other) is not type(mod):
+            if module_class(other) is not module_class(mod):
                 raise FusionError(f"{module_label(path, mod)} is a {type(other).__name__} in member {b}")
             if other_entry.config != entry.config:
                 _raise_config_difference(path, mod, entry, other, other_entry, b)
         for path, (other, _) in by_path.items():
             if path not in ref_paths:
                 raise FusionError(f"member {b} has {module_label(path, other)}, which member 0 lacks")
+
+
+def module_class(module: nn.Module) -> type[nn.Module]:
+    """The class that decides what ``module`` computes, for comparing members.
+
+    ``torch.nn.utils.parametrize`` gives every parametrized module a class of its own
+    (``ParametrizedLinear``, made per instance) over the original class; two members
+    parametrized alike differ only in that class object, and their parametrizations are
+    submodules that the layout compares like any other.
+    """
+    cls = type(module)
+    if parametrize.is_parametrized(module) and len(cls.__bases__) == 1:
+        return cls.__bases__[0]
+    return cls
 
 
 def module_label(path: str, module: nn.Module) -> str:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from .._errors import FusionError
+from ._batched_call import FoldPlan, call_folded, in_batched_call
 
 # Attributes every nn.Module carries that say nothing about a layer's configuration.
 _IGNORED_ATTRS = frozenset({"training", "dump_patches", "call_super_init"})
@@ -114,12 +116,43 @@ class FusedLayer(nn.Module):
     batch_dim: int = 0
     #: Whether :class:`fusion.FusedModel` must find ``batch_dim`` by a dry run.
     needs_batch_probe: ClassVar[bool] = False
-    #: Plain attributes allowed to differ between members (held per member).
+    #: Plain attributes allowed to differ between members (held per member, one list each).
     per_member_attrs: ClassVar[frozenset[str]] = frozenset()
+    #: Whether, inside a batched module, a call runs folded (:mod:`fusion.nn._batched_call`).
+    folds_in_batched_call: ClassVar[bool] = True
+    #: Whether the layer treats an unbatched input as a batch of one, as its torch twin does
+    #: (a member-dependent input without a batch axis can then be folded on a new axis).
+    folds_unbatched: bool = False
+    #: training flag -> how calls inside a batched module fold (None: run the plain layer).
+    #: Set by the dry run of :class:`fusion.FusedModel`.
+    fold_plans: Mapping[bool, FoldPlan | None] = MappingProxyType({})
 
     def __init__(self, num_members: int) -> None:
         super().__init__()
         self.num_members = num_members
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Inside a batched module's vmapped forward, this layer's tensors are one member's:
+        # fold the members back together and run the fused forward for all of them at once.
+        if in_batched_call() and self.folds_in_batched_call:
+            return call_folded(self, args, kwargs)
+        return super().__call__(*args, **kwargs)
+
+    @property
+    def plain(self) -> nn.Module:
+        """The unfused ``torch.nn`` module this layer fuses (member 0's copy, kept by the fused model)."""
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            raise FusionError(f"{type(self).__name__} has no plain twin attached")
+        return plain
+
+    def attach_plain(self, module: nn.Module) -> None:
+        """Keep ``module`` (not registered as a submodule) as this layer's plain twin."""
+        object.__setattr__(self, "_plain", module)
+
+    def member_config(self, b: int) -> dict[str, Any]:
+        """Member ``b``'s values of the per-member plain attributes (``per_member_attrs``)."""
+        return {attr: getattr(self, attr)[b] for attr in self.per_member_attrs}
 
     #: The ``torch.nn`` layer type(s) this twin fuses (``from_members`` checks it).
     twin_of: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = ()

@@ -35,6 +35,8 @@ class _ConvBase(FusedLayer):
 
     weight: nn.Parameter
     bias: nn.Parameter | None
+    # torch's convolutions take an unbatched [C, *S] input as a batch of one.
+    folds_unbatched = True
 
     def __init__(self, num_members: int, conv: nn.modules.conv._ConvNd) -> None:
         super().__init__(num_members)

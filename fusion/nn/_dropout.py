@@ -27,6 +27,9 @@ class Dropout(FusedLayer):
     def __init__(self, num_members: int, kind: type[nn.Module], p: list[float], inplace: bool) -> None:
         super().__init__(num_members)
         self.kind = kind
+        # Elementwise dropout treats any input alike; the channel-wise kinds read an
+        # unbatched input's axes differently.
+        self.folds_unbatched = kind is nn.Dropout
         self.p = list(p)
         self.inplace = inplace
 

@@ -26,6 +26,7 @@ class Embedding(FusedLayer):
     weight: nn.Parameter
 
     needs_batch_probe = True
+    folds_unbatched = True
 
     def __init__(self, num_members: int, emb: nn.Embedding) -> None:
         super().__init__(num_members)

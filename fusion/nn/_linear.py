@@ -90,6 +90,7 @@ class Linear(FusedLayer):
     bias: nn.Parameter | None
 
     needs_batch_probe = True
+    folds_unbatched = True
 
     def __init__(self, num_members: int, linear: nn.Linear) -> None:
         super().__init__(num_members)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._errors import FusionError
+from .._errors import FusionError, UnsupportedByTwin
 from ._base import FusedLayer, recall_channel_major, remember_channel_major
 
 
@@ -157,6 +157,7 @@ class LayerNorm(FusedLayer):
     bias: nn.Parameter | None
 
     needs_batch_probe = True
+    folds_unbatched = True
 
     def __init__(self, num_members: int, ln: nn.LayerNorm) -> None:
         super().__init__(num_members)
@@ -237,7 +238,7 @@ class InstanceNorm(FusedLayer):
     def from_members(cls, members: Sequence[nn.Module], path: str) -> InstanceNorm:
         first = members[0]
         if getattr(first, "track_running_stats", False):
-            raise FusionError(
+            raise UnsupportedByTwin(
                 f"submodule '{path}' ({type(first).__name__}): track_running_stats=True is not supported"
             )
         return super().from_members(members, path)  # type: ignore[return-value]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._errors import FusionError
+from .._errors import FusionError, UnsupportedByTwin
 from ._base import FusedLayer, check_same_config, stack_param
 
 
@@ -42,7 +42,7 @@ class _RNNBase(FusedLayer):
         first = members[0]
         assert isinstance(first, nn.RNNBase)
         if getattr(first, "proj_size", 0):
-            raise FusionError(f"submodule '{path}' ({type(first).__name__}): proj_size is not supported")
+            raise UnsupportedByTwin(f"submodule '{path}' ({type(first).__name__}): proj_size is not supported")
         layer = cls(len(members), first)
         for name in layer._names:
             layer.register_parameter(name, stack_param([getattr(m, name) for m in members]))

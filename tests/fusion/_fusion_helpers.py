@@ -121,7 +121,7 @@ def run_equivalence(
     opt_state_skip: Sequence[str] = (),
     clip: Sequence[float] | None = None,
     zero_grad_params: Sequence[str] = (),
-    fallback: bool = False,
+    fallback: bool = True,
 ) -> fusion.FusedModel:
     """Train B separate copies and the fused array side by side and compare.
 

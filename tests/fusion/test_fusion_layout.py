@@ -28,7 +28,7 @@ class MyDropout(nn.Dropout):
 
 
 class Owner(nn.Module):
-    """Owns a raw parameter (fallback only) and has a configured child."""
+    """Owns a raw parameter (the batched path runs it) and has a configured child."""
 
     def __init__(self, slope: float) -> None:
         super().__init__()
@@ -114,12 +114,13 @@ def test_equal_numbers_of_different_types_fuse_but_bool_is_not_int():
         fusion.fuse([_net(a), _net(b)])
 
 
-def test_config_of_a_fallback_modules_children_must_agree():
-    # The fallback runs member 0's copy of the module, children included.
+def test_config_of_a_batched_modules_children_must_agree():
+    # The batched path runs member 0's copy of the module, children included.
     with pytest.raises(fusion.FusionError, match=r"'1\.act' \(LeakyReLU\).*negative_slope"):
-        fusion.fuse([_net(Owner(0.1)), _net(Owner(0.2))], fallback=True)
-    with pytest.warns(fusion.FusionWarning):
-        fusion.fuse([_net(Owner(0.1)), _net(Owner(0.1))], fallback=True)
+        fusion.fuse([_net(Owner(0.1)), _net(Owner(0.2))])
+    fused = fusion.fuse([_net(Owner(0.1)), _net(Owner(0.1))])
+    assert fused(torch.randn(2, 4, 3)).shape == (2, 4, 3)
+    assert fused.batched_modules() == {"1": None}
 
 
 def test_missing_or_extra_parameter_free_submodule_is_a_fusion_error():
