@@ -16,7 +16,12 @@ same number of steps back to back, and each path's best round is reported
 (timeit's convention), so load from other jobs on a shared machine, which
 only ever slows a round down, disturbs the compared paths alike.
 
-Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm,pointnet]
+The models people write (``benchmarks/zoo.py``, second half: gpt, vit, sinusoidal,
+convnext, rmsnorm, weightnorm, contrastive, einsum) own tensors that have no fused twin
+(a position ``nn.Parameter``, a causal-mask buffer, a LayerScale gain, ...); the engine
+runs those modules on its batched path (``torch.func.vmap``) with the twins inside fused.
+
+Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm,pointnet,gpt,vit,...]
        [--members 1,2,4,8,16] [--paths serial,fused,func] [--steps 10]
        [--rounds 5] [--batch 64]
        python benchmarks/fusion.py --profile resnet:4 --steps 2   # where time goes
@@ -48,16 +53,23 @@ from torch import nn  # noqa: E402
 
 import fusion  # noqa: E402
 
-from benchmarks.zoo import LSTMLM, PointNet, ResNet18, TransformerClassifier, cnn, mlp  # noqa: E402
+from benchmarks.zoo import (GPT, LSTMLM, ViT, ConvNeXt, ContrastiveDualEncoder, EinsumTransformer,  # noqa: E402
+                            PointNet, ResNet18, RMSNormMLP, SinusoidalTransformer, TransformerClassifier,
+                            WeightNormTCN, cnn, contrastive_loss, lm_loss, mlp)
 
 # ----------------------------------------------------------------------------- workloads
 # The models are defined once, in benchmarks/zoo.py (the fusion tests use the same classes).
 
 
+Inputs = tuple[torch.Tensor, ...]
+
+
 @dataclass
 class Workload:
     factory: Callable[[], nn.Module]
-    make_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    #: batch size -> (the model's inputs, the loss target)
+    make_batch: Callable[[int], tuple[Inputs, torch.Tensor]]
+    loss: Callable[..., torch.Tensor] = F.cross_entropy
 
 
 def _tokens(n: int, seq: int = 32, vocab: int = 1000) -> torch.Tensor:
@@ -66,13 +78,28 @@ def _tokens(n: int, seq: int = 32, vocab: int = 1000) -> torch.Tensor:
     return x
 
 
+def _labels(n: int) -> torch.Tensor:
+    return torch.randint(0, 10, (n,))
+
+
 WORKLOADS: dict[str, Workload] = {
-    "mlp": Workload(mlp, lambda n: (torch.randn(n, 1, 8, 8), torch.randint(0, 10, (n,)))),
-    "cnn": Workload(cnn, lambda n: (torch.randn(n, 1, 8, 8), torch.randint(0, 10, (n,)))),
-    "resnet": Workload(ResNet18, lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))),
-    "transformer": Workload(TransformerClassifier, lambda n: (_tokens(n), torch.randint(0, 10, (n,)))),
-    "lstm": Workload(LSTMLM, lambda n: (torch.randint(0, 1000, (n, 32)), torch.randint(0, 1000, (n, 32)))),
-    "pointnet": Workload(PointNet, lambda n: (torch.randn(n, 3, 256), torch.randint(0, 10, (n,)))),
+    "mlp": Workload(mlp, lambda n: ((torch.randn(n, 1, 8, 8),), _labels(n))),
+    "cnn": Workload(cnn, lambda n: ((torch.randn(n, 1, 8, 8),), _labels(n))),
+    "resnet": Workload(ResNet18, lambda n: ((torch.randn(n, 3, 32, 32),), _labels(n))),
+    "transformer": Workload(TransformerClassifier, lambda n: ((_tokens(n),), _labels(n))),
+    "lstm": Workload(LSTMLM, lambda n: ((torch.randint(0, 1000, (n, 32)),), torch.randint(0, 1000, (n, 32)))),
+    "pointnet": Workload(PointNet, lambda n: ((torch.randn(n, 3, 256),), _labels(n))),
+    # Models people write (the batched path runs their modules without a twin).
+    "gpt": Workload(GPT, lambda n: ((torch.randint(0, 128, (n, 16)),), torch.randint(0, 128, (n, 16))), lm_loss),
+    "vit": Workload(ViT, lambda n: ((torch.randn(n, 3, 16, 16),), _labels(n))),
+    "sinusoidal": Workload(SinusoidalTransformer, lambda n: ((torch.randint(0, 128, (n, 16)),), _labels(n))),
+    "convnext": Workload(ConvNeXt, lambda n: ((torch.randn(n, 3, 16, 16),), _labels(n))),
+    "rmsnorm": Workload(RMSNormMLP, lambda n: ((torch.randint(0, 128, (n, 16)),), _labels(n))),
+    "weightnorm": Workload(WeightNormTCN, lambda n: ((torch.randn(n, 4, 32),), _labels(n))),
+    "contrastive": Workload(ContrastiveDualEncoder,
+                            lambda n: ((torch.randn(n, 48), torch.randint(0, 128, (n, 8))), torch.arange(n)),
+                            contrastive_loss),
+    "einsum": Workload(EinsumTransformer, lambda n: ((torch.randint(0, 128, (n, 16)),), _labels(n))),
 }
 
 # ----------------------------------------------------------------------------- paths
@@ -80,44 +107,45 @@ WORKLOADS: dict[str, Workload] = {
 Step = Callable[[], None]
 
 
-def serial_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> Step:
+def serial_step(models: list[nn.Module], x: Inputs, y: torch.Tensor, loss: Callable[..., torch.Tensor]) -> Step:
     opts = [torch.optim.Adam(m.parameters(), lr=1e-3 * (i + 1)) for i, m in enumerate(models)]
 
     def step() -> None:
         for m, o in zip(models, opts):
             o.zero_grad(set_to_none=True)
-            F.cross_entropy(m(x), y).backward()
+            loss(m(*x), y).backward()
             o.step()
 
     return step
 
 
-def fused_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> Step:
+def fused_step(models: list[nn.Module], x: Inputs, y: torch.Tensor, loss: Callable[..., torch.Tensor]) -> Step:
     fused = fusion.fuse(models)
     b = len(models)
     opt = fusion.optim.Adam(fused.parameters(), lr=[1e-3 * (i + 1) for i in range(b)])
-    xb, yb = fusion.broadcast(x, b), fusion.broadcast(y, b)
+    xb, yb = [fusion.broadcast(t, b) for t in x], fusion.broadcast(y, b)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        fusion.per_member_loss(F.cross_entropy, fused(xb), yb).sum().backward()
+        fusion.per_member_loss(loss, fused(*xb), yb).sum().backward()
         opt.step()
 
     return step
 
 
-def func_step(models: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> Step | None:
+def func_step(models: list[nn.Module], x: Inputs, y: torch.Tensor, loss: Callable[..., torch.Tensor]) -> Step | None:
     from torch.func import functional_call, stack_module_state, vmap
 
     models = [copy.deepcopy(m) for m in models]
     for m in models:
         torch.func.replace_all_batch_norm_modules_(m)
     params, buffers = stack_module_state(models)
-    base = copy.deepcopy(models[0]).to("meta")
+    # A plain copy, not a meta one: functional_call must find tied parameters tied.
+    base = copy.deepcopy(models[0])
     opt = torch.optim.Adam(list(params.values()), lr=1e-3)
 
-    def one(p: dict, bufs: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(functional_call(base, (p, bufs), (xi,)), yi)
+    def one(p: dict, bufs: dict, xi: Inputs, yi: torch.Tensor) -> torch.Tensor:
+        return loss(functional_call(base, (p, bufs), xi), yi)
 
     loss_fn = vmap(one, in_dims=(0, 0, None, None), randomness="different")
 
@@ -148,11 +176,12 @@ def measure(name: str, b: int, batch: int, steps: int, rounds: int,
     """Per path: (models·steps/s, ratio to serial), from the best of interleaved rounds."""
     work = WORKLOADS[name]
     torch.manual_seed(0)
-    x, y = (t.to(device) for t in work.make_batch(batch))
+    inputs, target = work.make_batch(batch)
+    x, y = tuple(t.to(device) for t in inputs), target.to(device)
     models = [work.factory().to(device) for _ in range(b)]
     runners: dict[str, Step | None] = {}
     for p in paths:
-        runners[p] = PATHS[p]([copy.deepcopy(m) for m in models], x, y)
+        runners[p] = PATHS[p]([copy.deepcopy(m) for m in models], x, y, work.loss)
         if runners[p] is not None:
             for _ in range(2):
                 runners[p]()  # warm-up (and the fused model's dry run)
@@ -189,7 +218,7 @@ def profile(name: str, b: int, batch: int, steps: int) -> None:
     x, y = work.make_batch(batch)
     models = [work.factory() for _ in range(b)]
     for label, make in (("serial", serial_step), ("fused", fused_step)):
-        run = make([copy.deepcopy(m) for m in models], x, y)
+        run = make([copy.deepcopy(m) for m in models], x, y, work.loss)
         for _ in range(2):
             run()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -219,8 +248,11 @@ def sizing_report(names: list[str], members: list[int], batch: int, steps: int, 
         work = WORKLOADS[name]
         torch.manual_seed(0)
         x, y = work.make_batch(batch)
-        res = sizing.size_array(work.factory, x, y, device=device, candidates=members, steps=steps, rounds=rounds,
-                                cache=False)
+        if len(x) != 1:
+            print(f"{name:<12}   (size_array takes one input tensor; this model takes {len(x)})", flush=True)
+            continue
+        res = sizing.size_array(work.factory, x[0], y, device=device, loss_fn=work.loss, candidates=members,
+                                steps=steps, rounds=rounds, cache=False)
         curve = "  ".join(f"{b}:{res.speedup[b]:.2f}x" for b in sorted(res.speedup))
         if res.fusion_pays:
             ratio = measure(name, res.best_members, batch, check_steps, check_rounds, ["serial", "fused"],
@@ -240,7 +272,7 @@ def where(device: torch.device) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp,cnn,resnet,transformer,lstm,pointnet")
+    parser.add_argument("--models", default=",".join(WORKLOADS))
     parser.add_argument("--members", default="1,2,4,8,16")
     parser.add_argument("--paths", default="serial,fused,func")
     parser.add_argument("--batch", type=int, default=64)
