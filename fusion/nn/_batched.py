@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from .._errors import FusionError, FusionWarning
 from ._base import FusedLayer, stack_buffer, stack_param
 from ._batched_call import batched_call, in_batched_call
+from ._batched_ops import FoldOps
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
@@ -88,7 +89,7 @@ class BatchedModule(FusedLayer):
 
         def member(state: dict[str, torch.Tensor], inputs: list[Any]) -> tuple[Any, ...]:
             a, k = pytree.tree_unflatten(inputs, spec)
-            with batched_call(True):
+            with batched_call(True), FoldOps():
                 out = torch.func.functional_call(self, state, tuple(a), k)
             out_leaves, found["spec"] = pytree.tree_flatten(out)
             found["leaves"] = out_leaves

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,13 +72,12 @@ class FoldPlan:
     arg_axes: tuple[int | None, ...]
     out_axes: tuple[int | None, ...]
     new_axis: bool = False
+    #: The layer's ``batch_dim`` for a folded call: its main input's batch axis.
+    batch_dim: int = field(init=False)
 
-    @property
-    def batch_dim(self) -> int:
-        """The layer's ``batch_dim`` for a folded call: its main input's batch axis."""
-        if self.new_axis:
-            return 0
-        return next(a for a in self.arg_axes if a is not None)
+    def __post_init__(self) -> None:
+        main = 0 if self.new_axis else next(a for a in self.arg_axes if a is not None)
+        object.__setattr__(self, "batch_dim", main)
 
 
 def make_plan(layer: FusedLayer, arg_axes: list[int | None], out_axes: list[int | None],
@@ -97,25 +96,78 @@ def make_plan(layer: FusedLayer, arg_axes: list[int | None], out_axes: list[int 
     return FoldPlan(tuple(arg_axes), tuple(out_axes))
 
 
-def _unwrap(t: torch.Tensor, level: int) -> tuple[torch.Tensor, int | None]:
-    """The members' physical tensor under a vmap level, and where its member axis is."""
-    return _unwrap_batched(t, level)
+#: (owner module, name, is a parameter, name relative to the layer) of a tensor a layer holds.
+Slot = tuple[torch.nn.Module, str, bool, str]
+
+
+def _slots(layer: FusedLayer) -> list[Slot]:
+    """Where ``layer``'s parameters and buffers live (cached: the places never change)."""
+    slots = layer.__dict__.get("_fold_slots")
+    if slots is None:
+        slots = []
+        for prefix, owner in layer.named_modules():
+            for name, t in owner._parameters.items():
+                if t is not None:
+                    slots.append((owner, name, True, f"{prefix}.{name}" if prefix else name))
+            for name, t in owner._buffers.items():
+                if t is not None:
+                    slots.append((owner, name, False, f"{prefix}.{name}" if prefix else name))
+        layer.__dict__["_fold_slots"] = slots
+    return slots
+
+
+def _held(slot: Slot) -> torch.Tensor:
+    owner, name, is_param, _ = slot
+    return owner._parameters[name] if is_param else owner._buffers[name]  # type: ignore[return-value]
+
+
+def _hold(slot: Slot, t: torch.Tensor) -> None:
+    # Like functional_call's swap: the tensor goes into the module's own dicts, for one call.
+    owner, name, is_param, _ = slot
+    (owner._parameters if is_param else owner._buffers)[name] = t  # type: ignore[assignment]
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    """pytree's flatten, short-cut for the common call ``layer(tensor, ...)`` and a tensor output."""
+    if isinstance(tree, torch.Tensor):
+        return [tree], None
+    if isinstance(tree, tuple) and len(tree) == 2 and not tree[1] and isinstance(tree[0], tuple) \
+            and all(isinstance(t, torch.Tensor) for t in tree[0]):
+        return list(tree[0]), len(tree[0])
+    return pytree.tree_flatten(tree)
+
+
+def _unflatten(leaves: list[Any], spec: Any) -> Any:
+    if spec is None:
+        return leaves[0]
+    if isinstance(spec, int):
+        return tuple(leaves), {}
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _run_folded(layer: FusedLayer, plan: FoldPlan, b: int, spec: Any, leaves: list[Any],
-                phys: dict[int, tuple[torch.Tensor, int | None]], state: dict[str, torch.Tensor]) -> tuple[list[Any], Any]:
+                phys: dict[int, tuple[torch.Tensor, int | None]], state: list[torch.Tensor]) -> tuple[list[Any], Any]:
     """Below the vmap level: fold the members' inputs, call the fused layer, unfold its outputs.
 
-    Returns the output leaves (tensors as ``(physical, member axis)`` pairs) and its spec.
+    ``state`` holds the layer's stacked tensors (its slots' order). Returns the output leaves
+    (tensors as ``(physical, member axis)`` pairs) and the output's spec.
     """
     folded = list(leaves)
     for i, (t, d) in phys.items():
         folded[i] = _fold(t, d, plan.arg_axes[i], b, plan.new_axis)
-    args, kwargs = pytree.tree_unflatten(folded, spec)
+    args, kwargs = _unflatten(folded, spec)
     layer.batch_dim = plan.batch_dim
-    with batched_call(False):
-        out = torch.func.functional_call(layer, state, tuple(args), kwargs)
-    out_leaves, out_spec = pytree.tree_flatten(out)
+    slots = _slots(layer)
+    batched = [_held(slot) for slot in slots]
+    try:
+        for slot, t in zip(slots, state):
+            _hold(slot, t)
+        with batched_call(False):
+            out = layer(*args, **kwargs)
+    finally:
+        for slot, t in zip(slots, batched):
+            _hold(slot, t)
+    out_leaves, out_spec = _flatten(out)
     if len(out_leaves) != len(plan.out_axes):
         raise FusionError(f"{type(layer).__name__}: called with other outputs than in the dry run")
     for i, leaf in enumerate(out_leaves):
@@ -148,23 +200,23 @@ def _fold(t: torch.Tensor, in_dim: int | None, axis: int | None, b: int, new_axi
 def call_folded(layer: FusedLayer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``layer`` inside a batched call, for all members at once (see the module docstring)."""
     plan = layer.fold_plans.get(layer.training)
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    state = dict(layer.named_parameters())
-    state.update(layer.named_buffers())
+    leaves, spec = _flatten((args, kwargs))
     interpreter = retrieve_current_functorch_interpreter()
     level = interpreter.level()
-    phys = {i: _unwrap(t, level) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+    phys = {i: _unwrap_batched(t, level) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+    slots = _slots(layer)
     if plan is None or len(leaves) != len(plan.arg_axes) or not _foldable(plan, phys):
         _check_plain(layer)
+        state = {slot[3]: _held(slot) for slot in slots}
         return torch.func.functional_call(layer.plain, state, args, kwargs)
     # A stacked tensor is [B, ...]: the batched call swapped it for the members' view on
     # axis 0 (a tensor it did not swap is that stacked tensor itself).
-    phys_state = {name: _unwrap(t, level)[0] for name, t in state.items()}
+    stacked = [_unwrap_batched(_held(slot), level)[0] for slot in slots]
     rest = [None if isinstance(t, torch.Tensor) else t for t in leaves]
     with interpreter.lower():
-        out_leaves, out_spec = _run_folded(layer, plan, interpreter.batch_size(), spec, rest, phys, phys_state)
+        out_leaves, out_spec = _run_folded(layer, plan, interpreter.batch_size(), spec, rest, phys, stacked)
     wrapped = [_add_batch_dim(leaf[0], leaf[1], level) if isinstance(leaf, tuple) else leaf for leaf in out_leaves]
-    return pytree.tree_unflatten(wrapped, out_spec)
+    return _unflatten(wrapped, out_spec)
 
 
 def _check_plain(layer: FusedLayer) -> None:

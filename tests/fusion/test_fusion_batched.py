@@ -249,7 +249,7 @@ class DataDependent(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.bn(x)
-        return y * self.gate if float(y.abs().max()) < 1e6 else y
+        return y * self.gate if float(y.detach().abs().max()) < 1e6 else y
 
 
 def test_where_vmap_cannot_run_a_module_it_runs_once_per_member_with_a_warning():
@@ -306,3 +306,31 @@ def test_dropout_in_a_batched_module_draws_per_member():
     # Same weights, same input: only independent draws make members differ.
     assert not torch.equal(y[0] != 0, y[1] != 0)
     assert torch.all(y[0][y[0] != 0] == 2.0)  # scaled by 1 / (1 - 0.5)
+
+
+class NoBatchingRule(nn.Module):
+    """Functions vmap has no batching rule for (CPU): attention with a mask made in the
+    forward and without one, and weight_norm over one axis and over the whole weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(5, 4))
+        self.a = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4), dim=1)
+        self.b = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4), dim=None)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, 5, 4]
+        h = self.a(x + self.pos).view(x.shape[0], 5, 2, 2).transpose(1, 2)
+        mask = torch.ones(5, 5, dtype=torch.bool, device=x.device).tril()
+        h = F.scaled_dot_product_attention(h, h, h, attn_mask=mask) + F.scaled_dot_product_attention(h, h, h)
+        return self.head(self.b(h.transpose(1, 2).reshape(x.shape[0], 5, 4)).mean(1))
+
+
+def test_functions_without_a_batching_rule_run_folded():
+    ref, fused = sgd()
+    with warnings.catch_warnings():
+        # vmap's per-member fallback for them would warn "There is a performance drop".
+        warnings.filterwarnings("error", message="There is a performance drop")
+        warnings.simplefilter("error", fusion.FusionWarning)
+        f = run_equivalence(NoBatchingRule, classify((5, 4)), ref, fused, b=B)
+    assert f.batched_modules() == {"": None}

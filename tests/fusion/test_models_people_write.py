@@ -103,9 +103,11 @@ def _optimizers(name: str) -> tuple[Callable[[int, nn.Module], Any], Callable[[n
 
 @pytest.fixture
 def no_fusion_warnings() -> Iterator[None]:
-    """A FusionWarning (a module running once per member) fails the test."""
+    """A module running once per member (FusionWarning), or a function that vmap runs once
+    per member for want of a batching rule ("There is a performance drop"), fails the test."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", fusion.FusionWarning)
+        warnings.filterwarnings("error", message="There is a performance drop")
         yield
 
 
