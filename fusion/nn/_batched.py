@@ -62,7 +62,8 @@ class BatchedModule(FusedLayer):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if in_batched_call():
             return super(BatchedModule, self).forward(*args, **kwargs)  # type: ignore[misc]
-        if self.per_member_reason is not None:
+        if self.per_member_reason is not None or self.num_members == 1:
+            # One member is an ordinary model: its plain module, without vmap's overhead.
             return self._per_member(args, kwargs)
         if self.training in self.__dict__.get("_vmapped_ok", ()):
             return self._vmapped(args, kwargs)

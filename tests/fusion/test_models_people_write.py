@@ -94,9 +94,10 @@ SGD = dict(lr=[0.05, 0.02, 0.1], momentum=[0.9, 0.5, 0.0], weight_decay=[0.0, 1e
 ADAMW = dict(lr=[1e-2, 3e-3, 2e-2], betas=[(0.9, 0.99), (0.8, 0.9), (0.9, 0.999)], weight_decay=[0.0, 0.01, 0.1])
 
 
-def _optimizers(name: str) -> tuple[Callable[[int, nn.Module], Any], Callable[[nn.Module], Any]]:
+def _optimizers(name: str, b: int = B) -> tuple[Callable[[int, nn.Module], Any], Callable[[nn.Module], Any]]:
     torch_cls, fused_cls, kw = ((torch.optim.SGD, fusion.optim.SGD, SGD) if name == "sgd"
                                 else (torch.optim.AdamW, fusion.optim.AdamW, ADAMW))
+    kw = {k: v[:b] for k, v in kw.items()}
     return (lambda i, m: torch_cls(m.parameters(), **{k: v[i] for k, v in kw.items()}),
             lambda f: fused_cls(f.parameters(), **kw))
 
@@ -125,6 +126,16 @@ def test_trains_like_separate_models_without_the_per_member_loop(name: str, opt:
                             zero_grad_params=case.zero_grad)
     # Each module with tensors but no twin runs batched under vmap, none once per member.
     assert fused.batched_modules() == {path: None for path in case.batched}
+
+
+@pytest.mark.usefixtures("no_fusion_warnings")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_an_array_of_one_trains_like_the_model(name: str) -> None:
+    # A batched module of one member runs its plain copy, without vmap.
+    case = CASES[name]
+    ref_opt, fused_opt = _optimizers("sgd", b=1)
+    run_equivalence(case.factory, case.make_batch, ref_opt, fused_opt, b=1, steps=2, loss_fn=case.loss_fn,
+                    zero_grad_params=case.zero_grad)
 
 
 def _one_step(fused: fusion.FusedModel, opt: Any, case: Case, refs: list[nn.Module], ref_opts: list[Any]) -> None:
