@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import warnings
 from typing import Any
 
 import numpy as np
@@ -43,14 +44,20 @@ def component_spec(obj: optuna.samplers.BaseSampler | optuna.pruners.BasePruner)
             f"{cls.__name__} is not one of optuna.{base.__name__.split('.')[-1]}'s classes, so the "
             "service cannot rebuild it; pass an Optuna sampler or pruner built from plain arguments"
         )
-    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # past self
-    defaults = {p.name: p.default for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    defaults = _defaults(cls)
     kwargs: dict[str, Any] = {}
     for name, default in defaults.items():
         found, value = _read_argument(obj, name)
         if not found or _is_default(value, default) or not _is_json(value):
             continue  # a non-default object argument is caught by the rebuild check below
         kwargs[name] = value
+    deprecated = _deprecated(cls, kwargs)
+    if deprecated:
+        raise ValueError(
+            f"{cls.__name__} was built with {', '.join(deprecated)}, which Optuna deprecated (it warns "
+            "FutureWarning and removes them in a later major version): the service does not take "
+            "deprecated arguments, so that a stored study still rebuilds after an upgrade; build it without them"
+        )
     if "seed" in defaults:
         rng = _random_state(obj)
         if rng is not None:
@@ -67,6 +74,39 @@ def component_spec(obj: optuna.samplers.BaseSampler | optuna.pruners.BasePruner)
         if _rebuild_difference(obj, fewer) is None:
             kwargs = fewer
     return {"name": cls.__name__, "kwargs": kwargs}
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """Each constructor argument's default as an object holds it: read back from one built
+    without arguments, else the signature's. An argument Optuna deprecated defaults to None and
+    holds what None stands for (TPESampler's ``prior_weight`` holds 1.0): compared with the
+    signature's None, it read as set, and every rebuild passed it and warned."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # past self
+    declared = {p.name: p.default for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # our reference object, not the user's: its notices are not theirs
+            reference = cls()
+    except (TypeError, ValueError):  # it requires an argument (GridSampler's search_space)
+        return declared
+    defaults = {}
+    for name, default in declared.items():
+        found, value = _read_argument(reference, name)
+        defaults[name] = value if found else default
+    return defaults
+
+
+def _deprecated(cls: type, kwargs: dict[str, Any]) -> list[str]:
+    """The arguments of ``kwargs`` whose use Optuna warns about with a FutureWarning naming them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            cls(**kwargs)
+        except (TypeError, ValueError):
+            return []  # the rebuild check says what is wrong
+    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    named = [k for k in kwargs if any(f"`{k}`" in m for m in messages)]
+    return named or ([f"arguments it warns about ({'; '.join(messages)})"] if messages else [])
 
 
 def _rebuild_difference(obj: Any, kwargs: dict[str, Any]) -> str | None:
