@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -68,12 +68,14 @@ class FusedModel(nn.Module):
     the original model's and :meth:`member_state_dict` is a plain slice.
     """
 
-    def __init__(self, models: Sequence[nn.Module], fallback: bool = True) -> None:
+    def __init__(self, models: Sequence[nn.Module], fallback: bool = True,
+                 batched: Collection[type[nn.Module]] = ()) -> None:
         super().__init__()
         models = list(models)
         _check_members(models)
         self._fallback = fallback
-        self.module = build_fused_tree(models, allow_loop=fallback)
+        self._batched_types = frozenset(batched)
+        self.module = build_fused_tree(models, fallback, self._batched_types)
         # An unfused copy of member 0, kept out of the module tree: the dry run uses
         # it to find batch axes, export loads member weights into it, and each fused
         # layer runs its copy of a layer where it runs as plain torch.
@@ -244,7 +246,7 @@ class FusedModel(nn.Module):
         # Same rule as fuse(): new members must have the existing ones' layout
         # (shapes, strides, eps, slopes, ...; per-member settings may differ).
         _check_members(models, reference=template)
-        new_tree = build_fused_tree(models, allow_loop=self._fallback)
+        new_tree = build_fused_tree(models, self._fallback, self._batched_types)
         new_layers = {p: m for p, m in new_tree.named_modules() if isinstance(m, FusedLayer)}
         done: set[int] = set()  # tied parameters are extended once
         for path, target in self.fused_layers():
@@ -296,7 +298,8 @@ def _append_rows(owner: nn.Module, new_owner: nn.Module, name: str, is_param: bo
         p.grad = torch.cat([p.grad, torch.zeros_like(extra.data).to(p.grad)])
 
 
-def fuse(models: Sequence[nn.Module], *, fallback: bool = True) -> FusedModel:
+def fuse(models: Sequence[nn.Module], *, fallback: bool = True,
+         batched: Collection[type[nn.Module]] = ()) -> FusedModel:
     """Fuse ``models`` (same class, identical shapes) into one :class:`FusedModel`.
 
     Parameters and buffers are copied; the originals are not modified. Layers
@@ -307,14 +310,16 @@ def fuse(models: Sequence[nn.Module], *, fallback: bool = True) -> FusedModel:
     configuration differs, ties that differ). Where vmap cannot run a module
     (found on its first call), it runs once per member -- exact, not faster --
     and a :class:`fusion.FusionWarning` names it; with ``fallback=False`` that
-    call raises :class:`fusion.FusionError` instead.
+    call raises :class:`fusion.FusionError` instead. Layers of the classes in
+    ``batched`` run on the batched path even where they have a twin (where that
+    measured faster on the device: :func:`fusion.paths.choose_paths`).
     """
-    return FusedModel(models, fallback=fallback)
+    return FusedModel(models, fallback=fallback, batched=batched)
 
 
 def fuse_from_state_dicts(
     model: nn.Module | Callable[[], nn.Module], state_dicts: Sequence[dict[str, torch.Tensor]],
-    *, fallback: bool = True,
+    *, fallback: bool = True, batched: Collection[type[nn.Module]] = (),
 ) -> FusedModel:
     """Build a fused model from saved member state dicts, for resuming.
 
@@ -328,11 +333,12 @@ def fuse_from_state_dicts(
         m = model() if not isinstance(model, nn.Module) else copy.deepcopy(model)
         m.load_state_dict(sd, strict=True)
         members.append(m)
-    return FusedModel(members, fallback=fallback)
+    return FusedModel(members, fallback=fallback, batched=batched)
 
 
 def fuse_seeded(
-    factory: Callable[[], nn.Module], seeds: Sequence[int], *, fallback: bool = True
+    factory: Callable[[], nn.Module], seeds: Sequence[int], *, fallback: bool = True,
+    batched: Collection[type[nn.Module]] = (),
 ) -> FusedModel:
     """Fuse ``len(seeds)`` fresh models, member b initialised under ``torch.manual_seed(seeds[b])``.
 
@@ -347,4 +353,4 @@ def fuse_seeded(
         for seed in seeds:
             torch.manual_seed(int(seed))
             models.append(factory())
-    return FusedModel(models, fallback=fallback)
+    return FusedModel(models, fallback=fallback, batched=batched)

@@ -16,7 +16,7 @@ stacked parameter.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
@@ -56,11 +56,14 @@ def own_state(module: nn.Module) -> list[str]:
     return own + [n for n, t in module._buffers.items() if t is not None]
 
 
-def build_fused_tree(models: Sequence[nn.Module], allow_loop: bool) -> nn.Module:
+def build_fused_tree(models: Sequence[nn.Module], allow_loop: bool,
+                     batched: Collection[type[nn.Module]] = ()) -> nn.Module:
     """Copy member 0 and make every parametrised submodule run for all members.
 
-    Callers have checked ``models`` (same layout, same ties), so the tree is built from
-    members that agree on every class, shape and shared attribute.
+    Layers of the classes in ``batched`` run on the batched path even where they have a
+    twin (where that measured faster, :func:`fusion.paths.choose_paths`). Callers have
+    checked ``models`` (same layout, same ties), so the tree is built from members that
+    agree on every class, shape and shared attribute.
     """
     root = copy.deepcopy(models[0])
     if type(root) in TWINS:
@@ -68,7 +71,7 @@ def build_fused_tree(models: Sequence[nn.Module], allow_loop: bool) -> nn.Module
         raise FusionError(
             f"fuse a model that contains the layer, not a bare {type(root).__name__}; wrap it in nn.Sequential"
         )
-    builder = _Builder(models, allow_loop)
+    builder = _Builder(models, allow_loop, frozenset(batched))
     inside = bool(own_state(root))
     if inside:
         stack_own_tensors(root, models)
@@ -82,9 +85,10 @@ def build_fused_tree(models: Sequence[nn.Module], allow_loop: bool) -> nn.Module
 class _Builder:
     """One walk of the tree; modules shared by several paths are fused once (``memo``)."""
 
-    def __init__(self, models: Sequence[nn.Module], allow_loop: bool) -> None:
+    def __init__(self, models: Sequence[nn.Module], allow_loop: bool, batched: frozenset[type[nn.Module]]) -> None:
         self.models = models
         self.allow_loop = allow_loop
+        self.batched = batched
         self.memo: dict[int, nn.Module] = {}
 
     def fuse_below(self, module: nn.Module, path: str, inside: bool) -> None:
@@ -99,8 +103,18 @@ class _Builder:
                 self.memo[key] = self._fuse(child, cpath, members, inside)
             module._modules[name] = self.memo[key]
 
+    def _prefers_batched(self, members: list[nn.Module]) -> bool:
+        """Whether the caller asked for the batched path for these layers, and it is exact:
+        plain torch runs member 0's settings, so members must agree on the settings their
+        twin would hold per member (dropout ``p``, BatchNorm ``momentum``)."""
+        first = members[0]
+        twin_type = TWINS.get(type(first))
+        if type(first) not in self.batched or twin_type is None:
+            return False
+        return all(getattr(m, attr) == getattr(first, attr) for m in members for attr in twin_type.per_member_attrs)
+
     def _fuse(self, child: nn.Module, path: str, members: list[nn.Module], inside: bool) -> nn.Module:
-        twin = _twin(members, path)
+        twin = None if self._prefers_batched(members) else _twin(members, path)
         if twin is not None:
             return twin
         if own_state(child):

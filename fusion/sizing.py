@@ -17,6 +17,12 @@ type and caches the answer per (signature, device type):
    measurement itself, since a one-member array runs the ordinary model), ``fusion_pays``
    is False and ``best_members`` is 1: the scheduler should run members unfused (or in
    parallel) on that device.
+
+With ``choose_paths=True`` it first answers a third (:func:`choose_paths`): for each
+layer class of the model that has a fused twin, whether the twin or the batched path
+(``torch.func.vmap`` over the plain layer) trains the largest fitting array faster on this
+device; the classes the batched path wins are recorded (``batched_layers``) and the
+speed-ups are measured with them. On the CPUs measured so far the twins win.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torch import nn
 from ._errors import FusionError
 from ._functional import broadcast, per_member_loss
 from ._model import FusedModel, fuse
+from .nn import TWINS
 from . import optim as fused_optim
 
 OptimizerName = str
@@ -72,6 +79,10 @@ class SizingResult:
     best_members: int = 1
     #: Whether some fused B beats the unfused model on this device.
     fusion_pays: bool = False
+    #: Layer classes (``module.qualname``) that run on the batched path on this device
+    #: (``choose_paths=True``; see :class:`PathChoice`), and every class's measured ratio.
+    batched_layers: tuple[str, ...] = ()
+    path_ratios: dict[str, float] = field(default_factory=dict)
 
     def marginal_cost(self) -> float:
         """Fraction of a solo step one extra member adds, fitted to the measurements.
@@ -99,6 +110,7 @@ class SizingResult:
         data = dict(data)
         data["throughput"] = {int(k): float(v) for k, v in data["throughput"].items()}
         data["speedup"] = {int(k): float(v) for k, v in data["speedup"].items()}
+        data["batched_layers"] = tuple(data.get("batched_layers", ()))
         return cls(**data)
 
 
@@ -136,8 +148,9 @@ class _Array:
     """A fused array of B fresh members with its optimizer and a training step."""
 
     def __init__(self, factory: Callable[[], nn.Module], b: int, device: torch.device, optimizer: str,
-                 lr: float, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor]) -> None:
-        self.fused: FusedModel = fuse([factory() for _ in range(b)]).to(device)
+                 lr: float, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
+                 batched: frozenset[type[nn.Module]] = frozenset()) -> None:
+        self.fused: FusedModel = fuse([factory() for _ in range(b)], batched=batched).to(device)
         self.opt = _FUSED_OPT[optimizer](self.fused.parameters(), lr=lr)
         self.x, self.y = broadcast(x, b), broadcast(y, b)
         self.loss_fn = loss_fn
@@ -226,6 +239,79 @@ def memory_model(
     return max(sizes[0] - member, 0), member
 
 
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """Which path runs each layer class of a model that has a fused twin, on one device type.
+
+    ``ratios[name]`` is the array's step time with the class's twins over its step time
+    with that class on the batched path (median of interleaved rounds; above 1: the
+    batched path is faster); ``batched`` names the classes whose ratio reached ``min_gain``.
+    """
+
+    device_type: str
+    members: int
+    ratios: dict[str, float]
+    batched: tuple[str, ...]
+
+    def classes(self) -> frozenset[type[nn.Module]]:
+        """The ``batched`` classes, for ``fusion.fuse(models, batched=...)``."""
+        return frozenset(c for c in TWINS if _class_name(c) in self.batched)
+
+
+def _timed(fn: Callable[[], None], n: int, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def choose_paths(
+    model_factory: Callable[[], nn.Module],
+    example_input: torch.Tensor,
+    example_target: torch.Tensor,
+    *,
+    device: str | torch.device = "cpu",
+    members: int = 8,
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
+    optimizer: OptimizerName = "adam",
+    lr: float = 1e-3,
+    steps: int = 2,
+    rounds: int = 5,
+    min_gain: float = 1.05,
+) -> PathChoice:
+    """Time an array of ``members`` with all twins against the same array with one layer
+    class on the batched path, for every class of the model that has a twin.
+
+    Blocks of ``steps`` steps of the two arrays alternate in order over ``rounds`` rounds, so
+    load from other jobs hits both alike; a class goes batched where the median ratio
+    reaches ``min_gain``.
+    """
+    dev = torch.device(device)
+    x, y = example_input.to(dev), example_target.to(dev)
+    present = list(dict.fromkeys(type(m) for m in model_factory().modules() if type(m) in TWINS))
+    twins = _Array(model_factory, members, dev, optimizer, lr, x, y, loss_fn)
+    twins.step()  # warm-up and dry run
+    ratios: dict[str, float] = {}
+    for cls in present:
+        other = _Array(model_factory, members, dev, optimizer, lr, x, y, loss_fn, frozenset({cls}))
+        other.step()
+        pairs = []
+        for r in range(rounds):
+            first, second = (twins, other) if r % 2 else (other, twins)
+            t1, t2 = _timed(first.step, steps, dev), _timed(second.step, steps, dev)
+            pairs.append((t1, t2) if first is twins else (t2, t1))
+        ratios[_class_name(cls)] = statistics.median(t / b for t, b in pairs)
+        del other
+    chosen = tuple(name for name, ratio in ratios.items() if ratio >= min_gain)
+    return PathChoice(device_type=dev.type, members=members, ratios=ratios, batched=chosen)
+
+
 def choose_members(speedup: dict[int, float], min_gain: float) -> tuple[int, bool]:
     """The B to run from measured speed-ups (fused / unfused by B): (B, fusion pays).
 
@@ -260,6 +346,7 @@ def size_array(
     signature: str | None = None,
     cache: bool = True,
     cache_path: str | os.PathLike[str] | None = None,
+    choose_paths: bool = False,
 ) -> SizingResult:
     """Size a fused array of ``model_factory()`` models for one device type.
 
@@ -268,6 +355,8 @@ def size_array(
     available on the device (default: free CUDA memory, or MemAvailable on
     CPU); ``headroom`` is the fraction of it kept free. Results are cached in
     memory per (signature, device type), and in ``cache_path`` (JSON) if given.
+    ``choose_paths``: first pick twin or batched path per layer class at the largest
+    fitting B (:func:`choose_paths`), and measure every B with that choice.
     """
     dev = torch.device(device)
     if optimizer not in _FUSED_OPT:
@@ -309,6 +398,9 @@ def size_array(
     if not fitting:
         raise FusionError("no candidate size survived a real training step")
     max_members = fitting[-1]
+    paths = (_choose_paths(model_factory, x, y, device=dev, members=max_members, loss_fn=loss_fn,
+                           optimizer=optimizer, lr=lr, steps=steps, rounds=rounds, min_gain=min_gain)
+             if choose_paths else PathChoice(dev.type, max_members, {}, ()))
 
     # Throughput: each fused B interleaved with an unfused model.
     solo = copy.deepcopy(probe_model).to(dev)
@@ -332,7 +424,7 @@ def size_array(
     speedup: dict[int, float] = {}
     solo_times: list[float] = []
     for b in fitting:
-        array = _Array(model_factory, b, dev, optimizer, lr, x, y, loss_fn)
+        array = _Array(model_factory, b, dev, optimizer, lr, x, y, loss_fn, paths.classes())
         array.step()  # warm-up and dry run
         # A timed block of a few-millisecond model is mostly timer and scheduler noise;
         # run each block for at least min_block_seconds so noise cannot pass min_gain.
@@ -362,7 +454,7 @@ def size_array(
         signature=sig, device_type=dev.type, batch_size=int(example_input.shape[0]),
         base_bytes=int(base), member_bytes=int(member), memory_limit=limit, max_members=max_members,
         throughput=throughput, solo_steps_per_s=solo_rate, speedup=speedup,
-        best_members=best, fusion_pays=pays,
+        best_members=best, fusion_pays=pays, batched_layers=paths.batched, path_ratios=dict(paths.ratios),
     )
     if cache:
         _CACHE[key] = result
@@ -370,3 +462,7 @@ def size_array(
         file_cache[f"{sig}@{dev.type}"] = result.to_json()
         Path(cache_path).write_text(json.dumps(file_cache, indent=1, sort_keys=True))
     return result
+
+
+# size_array's keyword argument of that name hides the function inside it.
+_choose_paths = choose_paths

@@ -122,6 +122,7 @@ def run_equivalence(
     clip: Sequence[float] | None = None,
     zero_grad_params: Sequence[str] = (),
     fallback: bool = True,
+    batched: Sequence[type[nn.Module]] = (),
 ) -> fusion.FusedModel:
     """Train B separate copies and the fused array side by side and compare.
 
@@ -133,7 +134,7 @@ def run_equivalence(
     """
     members = make_members(factory, b, dtype)
     refs = [copy.deepcopy(m) for m in members]
-    fused = fusion.fuse(members, fallback=fallback)
+    fused = fusion.fuse(members, fallback=fallback, batched=batched)
     # fuse copies; the originals must be untouched.
     for m, r in zip(members, refs):
         for (k, v), (_, w) in zip(m.state_dict().items(), r.state_dict().items()):

@@ -334,3 +334,26 @@ def test_functions_without_a_batching_rule_run_folded():
         warnings.simplefilter("error", fusion.FusionWarning)
         f = run_equivalence(NoBatchingRule, classify((5, 4)), ref, fused, b=B)
     assert f.batched_modules() == {"": None}
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Dropout(0.0), nn.Flatten(), nn.Linear(16, 3))
+
+
+@pytest.mark.usefixtures("no_fusion_warnings")
+def test_layers_with_a_twin_can_be_put_on_the_batched_path():
+    # Where the batched path measures faster (fusion.sizing.choose_paths), a layer class
+    # runs there instead of as its twin: exactly, BatchNorm statistics included.
+    ref, fused = sgd()
+    batched = (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.Dropout, nn.Linear)
+    f = run_equivalence(cnn, classify((1, 4, 4)), ref, fused, b=B, batched=batched)
+    assert f.batched_modules() == {"0": None, "1": None, "6": None}
+    assert not any(type(m).__module__.startswith("fusetune.fusion") for m in (f.module[3], f.module[4]))
+
+
+def test_settings_that_differ_per_member_keep_their_twin():
+    members = [nn.Sequential(nn.Linear(3, 3), nn.Dropout(p)) for p in (0.1, 0.2)]
+    fused = fusion.fuse(members, batched=(nn.Dropout, nn.Linear))
+    assert type(fused.module[1]).__name__ == "Dropout" and fused.module[1].p == [0.1, 0.2]
+    assert fused.batched_modules() == {"0": None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -56,6 +57,34 @@ def test_memory_limit_caps_members():
     assert capped.max_members == 2 and max(capped.throughput) == 2
     with pytest.raises(fusion.FusionError, match="fits"):
         sizing.size_array(small_mlp, x, y, candidates=(1, 2), steps=1, rounds=1, cache=False, memory_limit=10)
+
+
+LINEAR = "torch.nn.modules.linear.Linear"
+
+
+def test_choose_paths_measures_every_layer_class_with_a_twin():
+    x, y = torch.randn(8, 4, 4), torch.randint(0, 3, (8,))
+    choice = sizing.choose_paths(small_mlp, x, y, members=2, steps=1, rounds=1)
+    assert choice.device_type == "cpu" and choice.members == 2
+    assert set(choice.ratios) == {LINEAR} and choice.ratios[LINEAR] > 0
+    # min_gain decides: a class goes batched where twin time / batched time reaches it.
+    assert choice.batched == ((LINEAR,) if choice.ratios[LINEAR] >= 1.05 else ())
+    everything = sizing.choose_paths(small_mlp, x, y, members=2, steps=1, rounds=1, min_gain=0.0)
+    assert everything.batched == (LINEAR,) and everything.classes() == {nn.Linear}
+    assert sizing.choose_paths(small_mlp, x, y, members=2, steps=1, rounds=1, min_gain=math.inf).classes() == set()
+
+
+def test_size_array_records_the_chosen_paths(tmp_path):
+    sizing.clear_cache()
+    x, y = torch.randn(8, 4, 4), torch.randint(0, 3, (8,))
+    path = tmp_path / "sizing.json"
+    res = sizing.size_array(small_mlp, x, y, candidates=(1, 2), steps=1, rounds=1, cache=False, cache_path=path,
+                            choose_paths=True)
+    assert set(res.path_ratios) == {LINEAR}
+    assert res.batched_layers == ((LINEAR,) if res.path_ratios[LINEAR] >= 1.05 else ())
+    loaded = sizing.size_array(small_mlp, x, y, cache_path=path)
+    assert loaded == res
+    assert sizing.size_array(small_mlp, x, y, candidates=(1, 2), steps=1, rounds=1, cache=False).path_ratios == {}
 
 
 def test_marginal_cost_fit():
