@@ -21,7 +21,7 @@ import numpy as np
 import optuna
 from optuna.storages._rdb import models as rdb
 from optuna.study import StudyDirection
-from sqlalchemy import ColumnElement, Float, Integer, Select, String, any_, bindparam, case, cast, func, literal, null, select, tuple_, union_all
+from sqlalchemy import BigInteger, ColumnElement, Float, Integer, Select, String, any_, bindparam, case, cast, func, literal, null, select, tuple_, union_all
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
@@ -62,14 +62,24 @@ def keyset_page(
     """Up to ``limit`` rows of ``query`` ordered by ``columns`` (a unique key), after the row
     whose key is ``after``; and whether more follow."""
     if after is not None:
+        bound = [_bound(value) for value in after]
         if len(columns) == 1:
-            query = query.where(columns[0] < after[0] if descending else columns[0] > after[0])
+            query = query.where(columns[0] < bound[0] if descending else columns[0] > bound[0])
         else:
-            key, seek = tuple_(*columns), tuple_(*after)
+            key, seek = tuple_(*columns), tuple_(*bound)
             query = query.where(key < seek if descending else key > seek)
     order = [c.desc() if descending else c.asc() for c in columns]
     rows = list(session.scalars(query.order_by(*order).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
+
+
+def _bound(value: Any) -> Any:
+    """A cursor's key value as the statement's parameter: an integer as a BIGINT, since a
+    cursor's may be past a 32-bit INTEGER column's range (PostgreSQL would refuse to cast it to
+    the column's type; compared as BIGINT it is merely after every row)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return literal(value, BigInteger())
+    return value
 
 
 def id_page(session: Session, query: Select[tuple[_R]], column: Any, sort: str, page: PageParams) -> Page[_R]:
