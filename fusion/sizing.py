@@ -84,6 +84,10 @@ class SizingResult:
     batched_layers: tuple[str, ...] = ()
     path_ratios: dict[str, float] = field(default_factory=dict)
 
+    def batched_classes(self) -> frozenset[type[nn.Module]]:
+        """``batched_layers`` as classes, for ``fusion.fuse(models, batched=...)``."""
+        return _classes_named(self.batched_layers)
+
     def marginal_cost(self) -> float:
         """Fraction of a solo step one extra member adds, fitted to the measurements.
 
@@ -243,6 +247,10 @@ def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _classes_named(names: Sequence[str]) -> frozenset[type[nn.Module]]:
+    return frozenset(c for c in TWINS if _class_name(c) in names)
+
+
 @dataclass(frozen=True)
 class PathChoice:
     """Which path runs each layer class of a model that has a fused twin, on one device type.
@@ -259,7 +267,7 @@ class PathChoice:
 
     def classes(self) -> frozenset[type[nn.Module]]:
         """The ``batched`` classes, for ``fusion.fuse(models, batched=...)``."""
-        return frozenset(c for c in TWINS if _class_name(c) in self.batched)
+        return _classes_named(self.batched)
 
 
 def _timed(fn: Callable[[], None], n: int, device: torch.device) -> float:

@@ -1,5 +1,6 @@
-"""The fusion engine on a CUDA device: equivalence, fp16 autocast with per-member scaling,
-export to a CPU model, and array sizing with the CUDA allocator's memory model.
+"""The fusion engine on a CUDA device: equivalence (the zoo, and the models people write on
+the batched path), fp16 autocast with per-member scaling, export to a CPU model, and array
+sizing with the CUDA allocator's memory model.
 
 These run only where torch sees a CUDA device (a session with the GPU runs them with
 ``pytest tests/fusion/test_fusion_cuda.py``); everywhere else they are skipped, saying so.
@@ -18,6 +19,7 @@ from torch import nn
 import fusetune.fusion as fusion
 from _fusion_helpers import classification_batch, run_equivalence
 from benchmarks.zoo import PointNet, ResNet18
+from test_models_people_write import CASES as PEOPLE_WRITE
 from fusetune.fusion import sizing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False")
@@ -61,6 +63,25 @@ def test_zoo_models_match_separate_training_on_cuda(factory, in_shape, classes):
         lambda f: fusion.optim.SGD(f.parameters(), lr=lrs, momentum=mom, weight_decay=5e-4),
         b=3,
     )
+
+
+@pytest.mark.parametrize("name", sorted(PEOPLE_WRITE))
+def test_models_people_write_match_separate_training_on_cuda(name):
+    # The batched path (vmap, twins folded inside it) on the device; see test_models_people_write.py.
+    case = PEOPLE_WRITE[name]
+    lrs, mom = [0.05, 0.02, 0.1], [0.9, 0.5, 0.0]
+
+    def batch(b: int):
+        x, y = case.make_batch(b)
+        return (tuple(t.to(CUDA) for t in x) if isinstance(x, tuple) else x.to(CUDA)), y.to(CUDA)
+
+    fused = run_equivalence(
+        lambda: case.factory().to(CUDA), batch,
+        lambda i, m: torch.optim.SGD(m.parameters(), lr=lrs[i], momentum=mom[i]),
+        lambda f: fusion.optim.SGD(f.parameters(), lr=lrs, momentum=mom),
+        b=3, loss_fn=case.loss_fn, zero_grad_params=case.zero_grad,
+    )
+    assert fused.batched_modules() == {path: None for path in case.batched}
 
 
 def test_adam_float32_matches_torch_adam_on_cuda():

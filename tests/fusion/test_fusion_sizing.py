@@ -82,6 +82,7 @@ def test_size_array_records_the_chosen_paths(tmp_path):
                             choose_paths=True)
     assert set(res.path_ratios) == {LINEAR}
     assert res.batched_layers == ((LINEAR,) if res.path_ratios[LINEAR] >= 1.05 else ())
+    assert res.batched_classes() == ({nn.Linear} if res.batched_layers else set())
     loaded = sizing.size_array(small_mlp, x, y, cache_path=path)
     assert loaded == res
     assert sizing.size_array(small_mlp, x, y, candidates=(1, 2), steps=1, rounds=1, cache=False).path_ratios == {}
