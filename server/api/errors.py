@@ -74,6 +74,8 @@ NOT_JSON = {415: _error("The body is not JSON (Content-Type: application/json)."
 UNAVAILABLE = {503: _error("The database is unreachable, or the scheduling loop does not run.")}
 
 _WRITES = {"POST", "PUT", "PATCH", "DELETE"}
+#: A path parameter's Starlette convertor (``{key:path}``), which the OpenAPI document leaves out.
+_CONVERTOR = re.compile(r"\{(\w+):\w+\}")
 
 
 def route_table(app: FastAPI) -> Iterator[tuple[str, set[str], Any]]:
@@ -137,7 +139,8 @@ def document_errors(app: FastAPI) -> None:
             found = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(found.pop("$defs", {}))
             schemas[model.__name__] = found
-        for path, methods, route in route_table(app):
+        for template, methods, route in route_table(app):
+            path = _CONVERTOR.sub(r"{\1}", template)  # the document's path: `{key:path}` is `{key}` there
             if not isinstance(route, APIRoute) or not route.include_in_schema or path not in doc["paths"]:
                 continue
             for method in methods:

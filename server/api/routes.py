@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from fusetune.server import service
 from fusetune.server.api.deps import SessionRoute, authenticate, get_app_settings, get_session, get_url
 from fusetune.server.api.errors import CONFLICT, MAX_ID, UNAVAILABLE, StudyId, TrialId
+from fusetune.server.api.links import answers, links
 from fusetune.server.auth import Principal
 from fusetune.server.schemas import (
     ArrayOut,
@@ -41,7 +42,15 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route
 health_router = APIRouter(route_class=SessionRoute)
 
 
-@router.post("/studies", status_code=status.HTTP_201_CREATED, response_model=StudyOut, tags=["studies"], responses=CONFLICT)
+#: The links of an answer that is one study, and of one that is one trial.
+STUDY_LINKS = {"links": links(study="$response.body#/id")}
+TRIAL_LINKS = {"links": links(trial="$response.body#/id")}
+
+
+@router.post(
+    "/studies", status_code=status.HTTP_201_CREATED, response_model=StudyOut, tags=["studies"],
+    responses=answers(CONFLICT, {201: STUDY_LINKS}),
+)
 def create_study(
     body: StudyCreate,
     request: Request,
@@ -69,7 +78,10 @@ MaxPoints = Query(
 )
 
 
-@router.get("/studies", response_model=list[StudyOut], tags=["studies"], responses=PAGED)
+@router.get(
+    "/studies", response_model=list[StudyOut], tags=["studies"],
+    responses=answers(PAGED, {200: {"links": links(study="$response.body#/0/id")}}),
+)
 def list_studies(
     request: Request,
     response: Response,
@@ -92,7 +104,7 @@ def list_studies(
     return paged(found, request, response)
 
 
-@router.get("/studies/{study_id}", response_model=StudyOut, tags=["studies"])
+@router.get("/studies/{study_id}", response_model=StudyOut, tags=["studies"], responses={200: STUDY_LINKS})
 def get_study(
     study_id: StudyId,
     principal: Principal = Depends(authenticate),
@@ -102,7 +114,10 @@ def get_study(
     return service.get_study(session, url, study_id, as_tenant=principal.tenant)
 
 
-@router.get("/studies/{study_id}/trials", response_model=list[TrialOut], tags=["trials"], responses=PAGED)
+@router.get(
+    "/studies/{study_id}/trials", response_model=list[TrialOut], tags=["trials"],
+    responses=answers(PAGED, {200: {"links": links(trial="$response.body#/0/id")}}),
+)
 def list_trials(
     study_id: StudyId,
     request: Request,
@@ -131,7 +146,7 @@ def list_trials(
     return json_page(found, request, TrialOut)  # the pollers' route: serialised once
 
 
-@router.get("/trials/{trial_id}", response_model=TrialOut, tags=["trials"])
+@router.get("/trials/{trial_id}", response_model=TrialOut, tags=["trials"], responses={200: TRIAL_LINKS})
 def get_trial(
     trial_id: TrialId,
     max_points: int | None = MaxPoints,
@@ -171,7 +186,8 @@ def download_state_dict(
 
 
 @router.post(
-    "/studies/{study_id}/trials", status_code=status.HTTP_201_CREATED, response_model=TrialOut, tags=["trials"], responses=CONFLICT
+    "/studies/{study_id}/trials", status_code=status.HTTP_201_CREATED, response_model=TrialOut, tags=["trials"],
+    responses=answers(CONFLICT, {201: TRIAL_LINKS}),
 )
 def enqueue_trial(
     study_id: StudyId,
@@ -186,7 +202,7 @@ def enqueue_trial(
     return service.enqueue_trial(session, url, coordinator, study_id, body, as_tenant=principal.tenant)
 
 
-@router.post("/trials/{trial_id}/pruning", response_model=TrialOut, tags=["trials"], responses=CONFLICT)
+@router.post("/trials/{trial_id}/pruning", response_model=TrialOut, tags=["trials"], responses=answers(CONFLICT, {200: TRIAL_LINKS}))
 def decide_pruning(
     trial_id: TrialId,
     body: PruningDecision,
@@ -202,7 +218,7 @@ def decide_pruning(
 
 
 # `{key:path}`: a key may hold "/" (sent as %2F, which the server decodes before routing).
-@router.put("/studies/{study_id}/user_attrs/{key:path}", response_model=StudyOut, tags=["studies"])
+@router.put("/studies/{study_id}/user_attrs/{key:path}", response_model=StudyOut, tags=["studies"], responses={200: STUDY_LINKS})
 def set_study_user_attr(
     study_id: StudyId,
     body: AttrValue,
@@ -222,7 +238,7 @@ def set_study_user_attr(
 # so these answer 503 where no loop runs (an API alone).
 
 
-@router.post("/studies/{study_id}/pause", response_model=StudyOut, tags=["studies"], responses=CONFLICT)
+@router.post("/studies/{study_id}/pause", response_model=StudyOut, tags=["studies"], responses=answers(CONFLICT, {200: STUDY_LINKS}))
 def pause_study(
     study_id: StudyId,
     request: Request,
@@ -236,7 +252,7 @@ def pause_study(
     return service.pause_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
 
 
-@router.post("/studies/{study_id}/resume", response_model=StudyOut, tags=["studies"], responses=CONFLICT)
+@router.post("/studies/{study_id}/resume", response_model=StudyOut, tags=["studies"], responses=answers(CONFLICT, {200: STUDY_LINKS}))
 def resume_study(
     study_id: StudyId,
     request: Request,
@@ -250,7 +266,7 @@ def resume_study(
     return service.resume_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
 
 
-@router.post("/studies/{study_id}/cancel", response_model=StudyOut, tags=["studies"], responses=CONFLICT)
+@router.post("/studies/{study_id}/cancel", response_model=StudyOut, tags=["studies"], responses=answers(CONFLICT, {200: STUDY_LINKS}))
 def cancel_study(
     study_id: StudyId,
     request: Request,
@@ -265,7 +281,7 @@ def cancel_study(
     return service.cancel_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
 
 
-@router.patch("/studies/{study_id}", response_model=StudyOut, tags=["studies"], responses=CONFLICT)
+@router.patch("/studies/{study_id}", response_model=StudyOut, tags=["studies"], responses=answers(CONFLICT, {200: STUDY_LINKS}))
 def update_study(
     study_id: StudyId,
     body: StudyUpdate,
@@ -286,9 +302,12 @@ def update_study(
     response_model=None,
     tags=["studies"],
     responses={
-        204: {"description": "Deleted: its rows, its Optuna study and its artifacts are gone."},
+        204: {
+            "description": "Deleted: its rows, its Optuna study and its artifacts are gone.",
+            "links": {"GetStudy": links(study="$request.path.study_id")["GetStudy"]},  # now a 404
+        },
         202: {"model": StudyOut, "description": "Arrays of it still train: it is DELETING, cancelled, and goes "
-              "(GET answers 404) once they stop at their next epoch boundary."},
+              "(GET answers 404) once they stop at their next epoch boundary.", **STUDY_LINKS},
     },
 )
 def delete_study(
@@ -306,7 +325,10 @@ def delete_study(
     return JSONResponse(jsonable_encoder(study), status_code=status.HTTP_202_ACCEPTED)
 
 
-@router.get("/arrays", response_model=list[ArrayOut], tags=["arrays"], responses=PAGED)
+@router.get(
+    "/arrays", response_model=list[ArrayOut], tags=["arrays"],
+    responses=answers(PAGED, {200: {"links": links(study="$response.body#/0/study_id", trial="$response.body#/0/trial_ids/0")}}),
+)
 def list_arrays(
     request: Request,
     response: Response,

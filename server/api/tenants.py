@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from fusetune.server import tenants
 from fusetune.server.api.deps import SessionRoute, authenticate, get_app_settings, get_session, require_admin
 from fusetune.server.api.errors import CONFLICT, TokenId
+from fusetune.server.api.links import answers, links
 from fusetune.server.auth import Principal, TokenRevoked
 from fusetune.server.pagination import ID_CURSOR, LINK_HEADER, NAME_CURSOR, PageParams, page_params, paged
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreate, TokenCreated, TokenOut
@@ -24,7 +25,10 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route
 TenantName = Path(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # as TenantCreate.name
 
 
-@router.get("/tenants", response_model=list[TenantOut], tags=["tenants"], responses={200: {"headers": LINK_HEADER}})
+@router.get(
+    "/tenants", response_model=list[TenantOut], tags=["tenants"],
+    responses={200: {"headers": LINK_HEADER, "links": links(tenant="$response.body#/0/name")}},
+)
 def list_tenants(
     request: Request,
     response: Response,
@@ -38,7 +42,8 @@ def list_tenants(
 
 @router.post(
     "/tenants", status_code=status.HTTP_201_CREATED, response_model=TenantCreated, tags=["tenants"],
-    dependencies=[Depends(require_admin)], responses=CONFLICT,
+    dependencies=[Depends(require_admin)],
+    responses=answers(CONFLICT, {201: {"links": links(tenant="$response.body#/tenant/name", token="$response.body#/token/id")}}),
 )
 def create_tenant(body: TenantCreate, session: Session = Depends(get_session)) -> TenantCreated:
     """Create a tenant (admin only). The answer holds its first token, shown this once."""
@@ -46,7 +51,8 @@ def create_tenant(body: TenantCreate, session: Session = Depends(get_session)) -
 
 
 @router.patch(
-    "/tenants/{name}", response_model=TenantOut, tags=["tenants"], dependencies=[Depends(require_admin)], responses=CONFLICT
+    "/tenants/{name}", response_model=TenantOut, tags=["tenants"], dependencies=[Depends(require_admin)],
+    responses=answers(CONFLICT, {200: {"links": links(tenant="$response.body#/name")}}),
 )
 def update_tenant(body: TenantUpdate, name: str = TenantName, session: Session = Depends(get_session)) -> TenantOut:
     """Change a tenant's weight (its share of the devices when tenants compete) or quotas (admin only)."""
@@ -54,7 +60,8 @@ def update_tenant(body: TenantUpdate, name: str = TenantName, session: Session =
 
 
 @router.get(
-    "/tenants/{name}/tokens", response_model=list[TokenOut], tags=["tenants"], responses={200: {"headers": LINK_HEADER}}
+    "/tenants/{name}/tokens", response_model=list[TokenOut], tags=["tenants"],
+    responses={200: {"headers": LINK_HEADER, "links": links(token="$response.body#/0/id")}},
 )
 def list_tokens(
     request: Request,
@@ -70,7 +77,7 @@ def list_tokens(
 
 @router.post(
     "/tenants/{name}/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenCreated, tags=["tenants"],
-    responses=CONFLICT,
+    responses=answers(CONFLICT, {201: {"links": links(token="$response.body#/id")}}),
 )
 def create_token(
     body: TokenCreate | None = None,
