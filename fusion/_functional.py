@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._errors import FusionError
+from .nn._batched_ops import FoldOps
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -67,10 +68,20 @@ def per_member_loss(
         valid = (flat_target.reshape(b, -1) != ce.get("ignore_index", -100)).sum(1)
         return per_elem.sum(1) / valid  # the counts promote to the loss dtype, exactly
     try:
-        return torch.func.vmap(loss_fn)(out, target)
+        return torch.func.vmap(_with_folded_ops(loss_fn))(out, target)
     except Exception:
         # Losses without vmap support fall back to one call per member.
         return torch.stack([loss_fn(out[i], target[i]) for i in range(b)])
+
+
+def _with_folded_ops(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` with the functions vmap runs slowly folded for all members (cross-entropy)."""
+
+    def folded(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        with FoldOps():
+            return loss_fn(out, target)
+
+    return folded
 
 
 def clip_grad_norm_(

@@ -1,14 +1,17 @@
-"""Torch functions that vmap would run once per member, folded for all members instead.
+"""Torch functions that vmap runs slowly per member, folded for all members instead.
 
 Inside a batched module's forward, every torch function runs under vmap's batching rules.
 A few have none in torch (2.13, CPU): ``F.scaled_dot_product_attention`` (GPT's attention)
 and ``torch._weight_norm`` (the ``weight_norm`` parametrization). vmap's fallback for those
 runs the function once per member and stacks the results (it warns "There is a performance
-drop"), in the backward too. :class:`FoldOps`, a torch function mode active during batched
-calls, runs them once for all members: it takes the members' physical tensors from vmap
-(:mod:`fusion.nn._batched_call` does the same for fused twins), puts the member axis into
-an axis the function already treats per element, calls it one vmap level down, and hands
-the result back with its member axis.
+drop"), in the backward too. ``F.cross_entropy`` has a rule, but under vmap a mean-reduced
+cross-entropy of a language model's logits (``per_member_loss`` of a loss function that
+reshapes them first) cost four times the folded computation. :class:`FoldOps`, a torch
+function mode active during batched calls and ``per_member_loss``'s vmap, runs them once
+for all members: it takes the members' physical tensors from vmap (:mod:`fusion.nn._batched_call`
+does the same for fused twins), puts the member axis into an axis the function already
+treats per element, calls it one vmap level down, and hands the result back with its member
+axis.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from torch._C._functorch import _add_batch_dim, _unwrap_batched
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.overrides import TorchFunctionMode
 
-from ._batched_call import in_batched_call
 
 
 def _members_first(t: torch.Tensor, level: int, b: int) -> torch.Tensor:
@@ -79,19 +81,45 @@ def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor
     return _add_batch_dim(out.unflatten(0, shape[:2]).movedim(1, dim + 1), 0, level)
 
 
+def _cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                   size_average: Any = None, ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                   label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mean over each member's non-ignored targets of one cross-entropy over all members' rows."""
+    if (weight is not None or size_average is not None or reduce is not None or reduction != "mean"
+            or target.is_floating_point() or input.dim() < 2):
+        return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+    interpreter = retrieve_current_functorch_interpreter()
+    level, b = interpreter.level(), interpreter.batch_size()
+    logits, labels = _members_first(input, level, b), _members_first(target, level, b)
+    with interpreter.lower():
+        per_row = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1), reduction="none",
+                                  ignore_index=ignore_index, label_smoothing=label_smoothing)
+        valid = (labels.reshape(b, -1) != ignore_index).sum(1)
+        loss = per_row.reshape(b, -1).sum(1) / valid  # the counts promote to the loss dtype, exactly
+    return _add_batch_dim(loss, 0, level)
+
+
 _RULES: dict[Callable[..., Any], Callable[..., Any]] = {
     F.scaled_dot_product_attention: _sdpa,
     torch._weight_norm: _weight_norm,
+    F.cross_entropy: _cross_entropy,
 }
 
 
 class FoldOps(TorchFunctionMode):
-    """Active during a batched module's forward: the functions in ``_RULES`` run folded."""
+    """Entered inside a vmapped function: the functions in ``_RULES`` called at that vmap level
+    run folded; everywhere else (a twin's folded call one level down) everything runs as is."""
+
+    def __enter__(self) -> FoldOps:
+        top = torch._C._functorch.peek_interpreter_stack()
+        self._level = None if top is None else top.level()
+        return super().__enter__()  # type: ignore[return-value]
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         rule = _RULES.get(func)
-        # Inside a twin's folded call (below the vmap level) everything runs as is.
-        if rule is None or not in_batched_call():
-            return func(*args, **(kwargs or {}))
-        return rule(*args, **(kwargs or {}))
+        if rule is not None and self._level is not None:
+            top = torch._C._functorch.peek_interpreter_stack()
+            if top is not None and top.level() == self._level:
+                return rule(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))

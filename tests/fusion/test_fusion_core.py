@@ -294,3 +294,24 @@ def test_per_member_loss_sequence_targets():
         losses = fusion.per_member_loss(fn, out, y)
         for b in range(3):
             torch.testing.assert_close(losses[b], fn(out[b], y[b]), rtol=1e-12, atol=1e-14)
+
+
+def test_per_member_loss_of_a_loss_function_that_calls_cross_entropy():
+    """A loss written around F.cross_entropy (a language model's reshape, CLIP's symmetric
+    loss) runs under vmap with the cross-entropy folded for all members: the same values and
+    gradients as each member's own loss, ignored targets and label smoothing included."""
+    torch.manual_seed(0)
+    out = torch.randn(3, 4, 5, 6, dtype=torch.float64, requires_grad=True)  # [B, N, T, vocab]
+    y = torch.randint(0, 6, (3, 4, 5))
+    y[1, :2] = -100
+
+    def lm(logits, targets, smoothing=0.0):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), label_smoothing=smoothing)
+
+    for fn in (lm, lambda o, t: lm(o, t, 0.1), lambda o, t: F.cross_entropy(o[:, -1], t[:, -1]) + lm(o, t)):
+        losses = fusion.per_member_loss(fn, out, y)
+        (grad,) = torch.autograd.grad(losses.sum(), out)
+        for b in range(3):
+            ref = fn(out[b], y[b])
+            torch.testing.assert_close(losses[b], ref, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(grad[b], torch.autograd.grad(ref, out)[0][b], rtol=1e-12, atol=1e-14)
