@@ -74,7 +74,7 @@ NOT_JSON = {415: _error("The body is not JSON (Content-Type: application/json)."
 UNAVAILABLE = {503: _error("The database is unreachable, or the scheduling loop does not run.")}
 
 _WRITES = {"POST", "PUT", "PATCH", "DELETE"}
-#: A path parameter's Starlette convertor (``{key:path}``), which the OpenAPI document leaves out.
+#: A path parameter's Starlette convertor (``{key:text}``), which the OpenAPI document leaves out.
 _CONVERTOR = re.compile(r"\{(\w+):\w+\}")
 
 
@@ -140,7 +140,7 @@ def document_errors(app: FastAPI) -> None:
             schemas.update(found.pop("$defs", {}))
             schemas[model.__name__] = found
         for template, methods, route in route_table(app):
-            path = _CONVERTOR.sub(r"{\1}", template)  # the document's path: `{key:path}` is `{key}` there
+            path = _CONVERTOR.sub(r"{\1}", template)  # the document's path: `{key:text}` is `{key}` there
             if not isinstance(route, APIRoute) or not route.include_in_schema or path not in doc["paths"]:
                 continue
             for method in methods:

@@ -10,6 +10,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 from fastapi.responses import FileResponse
+from starlette.convertors import Convertor, register_url_convertor
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
@@ -217,8 +218,24 @@ def decide_pruning(
     return service.decide_pruning(session, url, coordinator, trial_id, body, as_tenant=principal.tenant)
 
 
-# `{key:path}`: a key may hold "/" (sent as %2F, which the server decodes before routing).
-@router.put("/studies/{study_id}/user_attrs/{key:path}", response_model=StudyOut, tags=["studies"], responses={200: STUDY_LINKS})
+class TextConvertor(Convertor[str]):
+    """A path parameter that is any text, ``/`` and line breaks included: a user attr's key
+    (sent percent-encoded; the server decodes it before routing). Starlette's ``path`` is
+    ``.*``, which stops at a line break, so a key "\\n" read as an empty one."""
+
+    regex = r"[\s\S]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("text", TextConvertor())
+
+
+@router.put("/studies/{study_id}/user_attrs/{key:text}", response_model=StudyOut, tags=["studies"], responses={200: STUDY_LINKS})
 def set_study_user_attr(
     study_id: StudyId,
     body: AttrValue,

@@ -25,6 +25,8 @@ KEYS = [
     "%2F",
     "%zz",
     "with spaces  and\ttab",
+    "\n",
+    "line\nbreaks\r\n",
     "ünïcödé ключ 键 🔑",
     ".",
     "..",

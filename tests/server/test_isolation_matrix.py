@@ -208,7 +208,7 @@ RULES: dict[tuple[str, str], Rule] = {
         path("/api/v1/trials/{trial_id}/state_dict"), {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED},
         state_dict_served,
     ),
-    ("PUT", "/api/v1/studies/{study_id}/user_attrs/{key:path}"): Rule(
+    ("PUT", "/api/v1/studies/{study_id}/user_attrs/{key:text}"): Rule(
         user_attr, {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}
     ),
     # The API alone runs no scheduling loop: past the scoping, enqueueing is a 503, and pruning
