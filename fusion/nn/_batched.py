@@ -32,6 +32,7 @@ from .._errors import FusionError, FusionWarning
 from ._base import FusedLayer, stack_buffer, stack_param
 from ._batched_call import batched_call, in_batched_call
 from ._batched_ops import FoldOps
+from ._holding import holding
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
@@ -90,8 +91,8 @@ class BatchedModule(FusedLayer):
 
         def member(state: dict[str, torch.Tensor], inputs: list[Any]) -> tuple[Any, ...]:
             a, k = pytree.tree_unflatten(inputs, spec)
-            with batched_call(True), FoldOps():
-                out = torch.func.functional_call(self, state, tuple(a), k)
+            with holding(self, state), batched_call(True), FoldOps():
+                out = self(*a, **k)
             out_leaves, found["spec"] = pytree.tree_flatten(out)
             found["leaves"] = out_leaves
             return tuple(t for t in out_leaves if isinstance(t, torch.Tensor))
@@ -153,8 +154,8 @@ class BatchedModule(FusedLayer):
                 for layer in settings:
                     for attr, value in layer.member_config(m).items():
                         setattr(layer.plain, attr, value)
-                outs.append(pytree.tree_flatten(torch.func.functional_call(
-                    self.plain, {name: t[m] for name, t in state.items()}, tuple(a), k, strict=True)))
+                with holding(self.plain, {name: t[m] for name, t in state.items()}):
+                    outs.append(pytree.tree_flatten(self.plain(*a, **k)))
         finally:
             for plain, values in saved:
                 for attr, value in values.items():

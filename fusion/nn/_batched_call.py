@@ -32,6 +32,7 @@ from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.utils import _pytree as pytree
 
 from .._errors import FusionError
+from ._holding import held, hold, holding, slots
 
 if TYPE_CHECKING:
     from ._base import FusedLayer
@@ -96,37 +97,6 @@ def make_plan(layer: FusedLayer, arg_axes: list[int | None], out_axes: list[int 
     return FoldPlan(tuple(arg_axes), tuple(out_axes))
 
 
-#: (owner module, name, is a parameter, name relative to the layer) of a tensor a layer holds.
-Slot = tuple[torch.nn.Module, str, bool, str]
-
-
-def _slots(layer: FusedLayer) -> list[Slot]:
-    """Where ``layer``'s parameters and buffers live (cached: the places never change)."""
-    slots = layer.__dict__.get("_fold_slots")
-    if slots is None:
-        slots = []
-        for prefix, owner in layer.named_modules():
-            for name, t in owner._parameters.items():
-                if t is not None:
-                    slots.append((owner, name, True, f"{prefix}.{name}" if prefix else name))
-            for name, t in owner._buffers.items():
-                if t is not None:
-                    slots.append((owner, name, False, f"{prefix}.{name}" if prefix else name))
-        layer.__dict__["_fold_slots"] = slots
-    return slots
-
-
-def _held(slot: Slot) -> torch.Tensor:
-    owner, name, is_param, _ = slot
-    return owner._parameters[name] if is_param else owner._buffers[name]  # type: ignore[return-value]
-
-
-def _hold(slot: Slot, t: torch.Tensor) -> None:
-    # Like functional_call's swap: the tensor goes into the module's own dicts, for one call.
-    owner, name, is_param, _ = slot
-    (owner._parameters if is_param else owner._buffers)[name] = t  # type: ignore[assignment]
-
-
 def _flatten(tree: Any) -> tuple[list[Any], Any]:
     """pytree's flatten, short-cut for the common call ``layer(tensor, ...)`` and a tensor output."""
     if isinstance(tree, torch.Tensor):
@@ -157,16 +127,16 @@ def _run_folded(layer: FusedLayer, plan: FoldPlan, b: int, spec: Any, leaves: li
         folded[i] = _fold(t, d, plan.arg_axes[i], b, plan.new_axis)
     args, kwargs = _unflatten(folded, spec)
     layer.batch_dim = plan.batch_dim
-    slots = _slots(layer)
-    batched = [_held(slot) for slot in slots]
+    places = slots(layer)
+    batched = [held(place) for place in places]
     try:
-        for slot, t in zip(slots, state):
-            _hold(slot, t)
+        for place, t in zip(places, state):
+            hold(place, t)
         with batched_call(False):
             out = layer(*args, **kwargs)
     finally:
-        for slot, t in zip(slots, batched):
-            _hold(slot, t)
+        for place, t in zip(places, batched):
+            hold(place, t)
     out_leaves, out_spec = _flatten(out)
     if len(out_leaves) != len(plan.out_axes):
         raise FusionError(f"{type(layer).__name__}: called with other outputs than in the dry run")
@@ -204,14 +174,14 @@ def call_folded(layer: FusedLayer, args: tuple[Any, ...], kwargs: dict[str, Any]
     interpreter = retrieve_current_functorch_interpreter()
     level = interpreter.level()
     phys = {i: _unwrap_batched(t, level) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
-    slots = _slots(layer)
+    places = slots(layer)
     if plan is None or len(leaves) != len(plan.arg_axes) or not _foldable(plan, phys):
         _check_plain(layer)
-        state = {slot[3]: _held(slot) for slot in slots}
-        return torch.func.functional_call(layer.plain, state, args, kwargs)
+        with holding(layer.plain, {place[3]: held(place) for place in places}):
+            return layer.plain(*args, **kwargs)
     # A stacked tensor is [B, ...]: the batched call swapped it for the members' view on
     # axis 0 (a tensor it did not swap is that stacked tensor itself).
-    stacked = [_unwrap_batched(_held(slot), level)[0] for slot in slots]
+    stacked = [_unwrap_batched(held(place), level)[0] for place in places]
     rest = [None if isinstance(t, torch.Tensor) else t for t in leaves]
     with interpreter.lower():
         out_leaves, out_spec = _run_folded(layer, plan, interpreter.batch_size(), spec, rest, phys, stacked)

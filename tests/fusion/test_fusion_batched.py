@@ -357,3 +357,42 @@ def test_settings_that_differ_per_member_keep_their_twin():
     fused = fusion.fuse(members, batched=(nn.Dropout, nn.Linear))
     assert type(fused.module[1]).__name__ == "Dropout" and fused.module[1].p == [0.1, 0.2]
     assert fused.batched_modules() == {"0": None}
+
+
+class RunningMean(nn.Module):
+    """Keeps a running mean the way much research code does: by reassigning its buffer
+    (``torch.func.functional_call`` alone would drop such an update)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+            self.calls = self.calls + 1
+        return (x - self.mean) * self.scale
+
+
+@pytest.mark.usefixtures("no_fusion_warnings")
+def test_buffers_a_forward_reassigns_are_kept_per_member():
+    ref, fused = sgd()
+    model = lambda: nn.Sequential(nn.Linear(3, 4), RunningMean(), nn.Linear(4, 3))  # noqa: E731
+    f = run_equivalence(model, classify((3,)), ref, fused, b=B)  # compares the buffers after every step
+    assert f.batched_modules() == {"1": None}
+    assert f.module[1].calls.tolist() == [3] * B
+
+
+def test_buffers_a_forward_reassigns_are_kept_per_member_in_the_loop():
+    class Counting(RunningMean):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            return out if float(out.detach().abs().sum()) >= 0 else -out  # vmap cannot run this
+
+    ref, fused = sgd()
+    model = lambda: nn.Sequential(nn.Linear(3, 4), Counting(), nn.Linear(4, 3))  # noqa: E731
+    with pytest.warns(fusion.FusionWarning, match="runs once per member"):
+        f = run_equivalence(model, classify((3,)), ref, fused, b=B)
+    assert f.module[1].calls.tolist() == [3] * B
