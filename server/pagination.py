@@ -22,10 +22,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 from fastapi import Query, Request, Response
 from pydantic import BaseModel, TypeAdapter
+
+from fusetune.server.params import DECIMAL
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -146,9 +148,9 @@ def page_params(cursor: CursorFormat[Any]) -> Callable[..., Any]:
     """The dependency reading ``limit`` and ``after`` of a listing whose cursors are ``cursor``'s."""
 
     async def dependency(
-        limit: int = Query(
-            DEFAULT_LIMIT, ge=1, le=MAX_LIMIT, description=f"Rows per page (default {DEFAULT_LIMIT}, at most {MAX_LIMIT})."
-        ),
+        limit: Annotated[int, Query(
+            ge=1, le=MAX_LIMIT, description=f"Rows per page (default {DEFAULT_LIMIT}, at most {MAX_LIMIT})."
+        ), DECIMAL] = DEFAULT_LIMIT,
         after: str = Query(  # not nullable in the document: absent is None
             None, pattern=cursor.pattern, examples=[cursor.example],
             description="The position to read on from: the cursor in the previous page's `Link: <...>; rel=\"next\"` "

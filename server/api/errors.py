@@ -27,14 +27,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import compile_path
 
+from fusetune.server.params import DECIMAL
+
 #: Largest id of fusetune's tables (PostgreSQL's INTEGER; SQLite's are wider).
 MAX_ID = 2**31 - 1
 #: Largest event id (ft_events.id is a BIGINT).
 MAX_EVENT_ID = 2**63 - 1
 
-StudyId = Annotated[int, Path(ge=1, le=MAX_ID, description="A study's id.")]
-TrialId = Annotated[int, Path(ge=1, le=MAX_ID, description="A trial's id (fusetune's, not Optuna's).")]
-TokenId = Annotated[int, Path(ge=1, le=MAX_ID, description="A token's id.")]
+StudyId = Annotated[int, Path(ge=1, le=MAX_ID, description="A study's id."), DECIMAL]
+TrialId = Annotated[int, Path(ge=1, le=MAX_ID, description="A trial's id (fusetune's, not Optuna's)."), DECIMAL]
+TokenId = Annotated[int, Path(ge=1, le=MAX_ID, description="A token's id."), DECIMAL]
 
 
 class ErrorMessage(BaseModel):

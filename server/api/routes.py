@@ -6,7 +6,7 @@ routes on tenant resources pass the caller's tenant to the service as ``as_tenan
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 from fastapi.responses import FileResponse
@@ -21,6 +21,7 @@ from fusetune.server import service
 from fusetune.server.api.deps import SessionRoute, authenticate, get_app_settings, get_session, get_url
 from fusetune.server.api.errors import CONFLICT, MAX_ID, UNAVAILABLE, StudyId, TrialId
 from fusetune.server.api.links import answers, links
+from fusetune.server.params import DECIMAL
 from fusetune.server.auth import Principal
 from fusetune.server.schemas import (
     ArrayOut,
@@ -72,11 +73,11 @@ def create_study(
 PAGED = {200: {"headers": LINK_HEADER}}
 IdSort = Literal[ID_SORTS]  # type: ignore[valid-type]
 TrialSort = Literal[TRIAL_SORTS]  # type: ignore[valid-type]
-MaxPoints = Query(
-    None, ge=MIN_POINTS, le=100_000,
+MaxPoints = Annotated[int | None, Query(
+    ge=MIN_POINTS, le=100_000,
     description="Downsample each learning curve (intermediate values) to at most this many points for plots: "
     "the first and last epochs, and the lowest and highest value of each of (max_points - 2) / 2 buckets between.",
-)
+), DECIMAL]  # the FieldInfo before DECIMAL, in Annotated: as a default, FastAPI would drop the validator
 
 
 @router.get(
@@ -128,12 +129,12 @@ def list_trials(
         description="`number` (the default), `-number`, `value`, `-value` (trials without a value last) or "
         "`revision` (the order of their last changes; the default and only order with updated_since).",
     ),
-    updated_since: int | None = Query(
-        None, ge=0, le=2**63 - 1,
+    updated_since: Annotated[int | None, Query(
+        ge=0, le=2**63 - 1,
         description="Only the trials changed after this revision: pass the highest `revision` of the trials read "
         "so far, and a poll downloads only what changed since (0: every trial).",
-    ),
-    max_points: int | None = MaxPoints,
+    ), DECIMAL] = None,
+    max_points: MaxPoints = None,
     page: PageParams = Depends(page_params(TRIAL_CURSOR)),
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
@@ -150,7 +151,7 @@ def list_trials(
 @router.get("/trials/{trial_id}", response_model=TrialOut, tags=["trials"], responses={200: TRIAL_LINKS})
 def get_trial(
     trial_id: TrialId,
-    max_points: int | None = MaxPoints,
+    max_points: MaxPoints = None,
     principal: Principal = Depends(authenticate),
     session: Session = Depends(get_session),
     url: str = Depends(get_url),
@@ -349,7 +350,7 @@ def delete_study(
 def list_arrays(
     request: Request,
     response: Response,
-    study_id: int | None = Query(None, ge=1, le=MAX_ID),
+    study_id: Annotated[int | None, Query(ge=1, le=MAX_ID), DECIMAL] = None,
     state: list[ArrayState] | None = Query(None, description="Only arrays in these states (repeat the parameter)."),
     tenant: str | None = Query(
         None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
