@@ -64,7 +64,9 @@ _ENVY_PENALTY = 1e3  # per unit of envy, relative to the largest per-device rate
 SI_HEADROOM = 0.02  # oef aims 2% above the equal share where capacity allows
 _SI_PENALTY = 1.0  # per unit of missed headroom utility: the headroom never costs more throughput than it buys
 _STICKINESS = 1e-3  # tie-break bonus for incumbent placements, relative to the mean rate
-_OEF_PASSES = 8  # bound on oef's re-solves (each class gains rows, then freezes, once)
+_OEF_PASSES = 12  # bound on oef's re-solves (rows are only added, classes only frozen)
+_ENVY_RTOL = 1e-6  # envy below this fraction of the envier's own value is no envy
+_PAIR_BUDGET = 2000  # (short class, tenant) pairs above which envy rows are per tenant
 
 
 @dataclass(frozen=True)
@@ -183,30 +185,62 @@ def _class_values(p: AllocationProblem, v: Vars) -> np.ndarray:
     return value
 
 
-def _envy_rows(
-    p: AllocationProblem, v: Vars, enviers: np.ndarray
-) -> tuple[sparse.csr_matrix, np.ndarray]:
+@dataclass(frozen=True)
+class _Valuations:
+    """Who envies, with which linear valuation: one row per *owner*.
+
+    Owners are the classes (each with its own valuation), or, past ``_PAIR_BUDGET``
+    (class, tenant) pairs, the tenants, valued by the maximum over their classes that
+    the equal share leaves short (classes with nothing waiting are left out: they could
+    not use another bundle).
+
+    Attributes:
+        value: (O, G) per-device value.
+        tenant: (O,) the owner's tenant.
+        of_class: (C,) each class's owner.
+    """
+
+    value: np.ndarray
+    tenant: np.ndarray
+    of_class: np.ndarray
+
+    def short(self, short_classes: np.ndarray) -> np.ndarray:
+        """(O,) owners with a short class."""
+        out = np.zeros(self.tenant.shape[0], dtype=bool)
+        out[self.of_class[short_classes]] = True
+        return out
+
+
+def _valuations(p: AllocationProblem, v: Vars, es: EqualShare) -> _Valuations:
+    """Per-class valuations, or per-tenant ones where per-class rows would be too many."""
+    value = _class_values(p, v)
+    if es.short.sum() * active_tenants(p).sum() <= _PAIR_BUDGET:
+        return _Valuations(value, p.class_tenant, np.arange(p.n_classes))
+    per_tenant = np.zeros((p.n_tenants, p.n_types))
+    np.maximum.at(per_tenant, p.class_tenant[es.short], value[es.short])
+    return _Valuations(per_tenant, np.arange(p.n_tenants), p.class_tenant.copy())
+
+
+def _envy_rows(p: AllocationProblem, val: _Valuations, pairs: np.ndarray) -> tuple[sparse.csr_matrix, np.ndarray]:
     """Envy rows over the bundles a[j, g] (a (m, T*G) matrix) and each row's tenant.
 
-    One row per (short class c of tenant i, other active tenant j):
-    ``Σ_g v_c[g] (a_j[g]/w_j − a_i[g]/w_i) ≤ slack_i``: class c would not rather have
-    j's (weight-scaled) bundle than its own tenant's.
+    One row per pair (owner o of tenant i, tenant j ≠ i) set in the (O, T) mask ``pairs``:
+    ``Σ_g v_o[g] (a_j[g]/w_j − a_i[g]/w_i) ≤ slack_i``: o would not rather have j's
+    (weight-scaled) bundle than its own tenant's.
     """
     T, G = p.n_tenants, p.n_types
     w = p.weights.astype(float)
-    value = _class_values(p, v)
-    others = np.flatnonzero(active_tenants(p))
-    cc, jj = np.meshgrid(np.flatnonzero(enviers), others, indexing="ij")
-    ii = p.class_tenant[cc]
+    oo, jj = np.nonzero(pairs)
+    ii = val.tenant[oo]
     keep = ii != jj
-    cc, jj, ii = cc[keep], jj[keep], ii[keep]
-    m = cc.size
+    oo, jj, ii = oo[keep], jj[keep], ii[keep]
+    m = oo.size
     r = np.repeat(np.arange(m), G)
     g = np.tile(np.arange(G), m)
-    vc = value[np.repeat(cc, G), g]
+    vo = val.value[np.repeat(oo, G), g]
     coef = sparse.csr_matrix(
         (
-            np.concatenate([-vc / w[np.repeat(ii, G)], vc / w[np.repeat(jj, G)]]),
+            np.concatenate([-vo / w[np.repeat(ii, G)], vo / w[np.repeat(jj, G)]]),
             (np.concatenate([r, r]), np.concatenate([np.repeat(ii, G) * G + g, np.repeat(jj, G) * G + g])),
         ),
         shape=(m, T * G),
@@ -214,8 +248,30 @@ def _envy_rows(
     return coef, ii
 
 
+def _envy(p: AllocationProblem, v: Vars, val: _Valuations, x: np.ndarray) -> np.ndarray:
+    """(O, T) how much more owner o values tenant j's weight-scaled bundle than its own's.
+
+    Relative to its value of its own tenant's bundle; ``-inf`` for its own tenant and
+    for idle tenants.
+    """
+    bundle = np.zeros((p.n_tenants, p.n_types))
+    np.add.at(bundle, p.class_tenant, scatter(p, v, x)[0])
+    worth = val.value @ (bundle / p.weights[:, None]).T  # (O, T)
+    rows = np.arange(val.tenant.shape[0])
+    own = worth[rows, val.tenant]
+    out = (worth - own[:, None]) / np.maximum(own, 1e-9)[:, None]
+    out[rows, val.tenant] = -np.inf
+    out[:, ~active_tenants(p)] = -np.inf
+    return out
+
+
 def _oef_lp(
-    p: AllocationProblem, v: Vars, e: np.ndarray, enviers: np.ndarray, frozen: np.ndarray, prefer: np.ndarray
+    p: AllocationProblem,
+    v: Vars,
+    e: np.ndarray,
+    rows: tuple[_Valuations, np.ndarray],
+    frozen: np.ndarray,
+    prefer: np.ndarray,
 ) -> tuple[np.ndarray | None, float]:
     """One OEF LP over [x, z, a, s]: max Σu − penalties, s.t. SI, envy rows, frozen demand.
 
@@ -229,7 +285,7 @@ def _oef_lp(
     """
     n, T, G = v.size, p.n_tenants, p.n_types
     act = np.flatnonzero(active_tenants(p))
-    coef, row_tenant = _envy_rows(p, v, enviers)
+    coef, row_tenant = _envy_rows(p, *rows)
     slack_tenants = np.unique(row_tenant)
     slack_col = np.searchsorted(slack_tenants, row_tenant)
     n_z, n_a, n_s, m = act.size, T * G, slack_tenants.size, coef.shape[0]
@@ -265,33 +321,37 @@ def _oef_lp(
 
 
 def _oef(p: AllocationProblem, v: Vars, es: EqualShare, prefer: np.ndarray) -> tuple[np.ndarray | None, float]:
-    """OEF with envy rows only for classes still short, re-solved as classes fill up.
+    """OEF with envy rows only where classes still short envy, re-solved as classes fill up.
 
     A class can envy only while it has trials waiting: a fully served class could not
-    use another bundle.  The rows start with the classes their equal share cannot hold.
-    After each solve, a class with rows that the solution now serves in full is frozen
-    (held in full from then on, its rows dropped: water-filling), and a class that the
-    solution leaves short gets rows.  Each class moves none → rows → frozen at most
-    once, so this ends; keeping a tenant's rows after it is served would cap the others
-    at what it can use and leave devices idle.
+    use another bundle.  The first LP has no envy rows.  After each solve, every pair
+    (short owner o, tenant j) where o envies j gets its row (rows are added where they
+    are violated, most pairs never bind), and an owner with rows whose classes the
+    solution now serves in full is frozen: its classes held in full from then on, its
+    rows dropped (water-filling).  Keeping a served class's rows would cap the others at
+    what it can use and leave devices idle.  Rows are only added and owners only frozen,
+    so this ends; ``_OEF_PASSES`` bounds it (the last solution is kept, with whatever
+    envy is left, which the simulator's metric reports).
     """
-    enviers = es.short.copy()
-    frozen = np.zeros(p.n_classes, dtype=bool)
+    val = _valuations(p, v, es)
+    n_o = val.tenant.shape[0]
+    pairs = np.zeros((n_o, p.n_tenants), dtype=bool)
+    frozen = np.zeros(n_o, dtype=bool)
     secs = 0.0
     x: np.ndarray | None = None
     for _ in range(_OEF_PASSES):
-        sol, s = _oef_lp(p, v, es.utility, enviers & ~frozen, frozen, prefer)
+        sol, s = _oef_lp(p, v, es.utility, (val, pairs & ~frozen[:, None]), frozen[val.of_class], prefer)
         secs += s
         if sol is None:
             break
         x = sol
-        short = short_classes(p, v, scatter(p, v, x)[1])
-        served = enviers & ~frozen & ~short
-        newly_short = short & ~enviers
-        if not served.any() and not newly_short.any():
+        short = val.short(short_classes(p, v, scatter(p, v, x)[1]))
+        served = pairs.any(axis=1) & ~frozen & ~short
+        violated = (short & ~frozen)[:, None] & (_envy(p, v, val, x) > _ENVY_RTOL) & ~pairs
+        if not served.any() and not violated.any():
             break
         frozen |= served
-        enviers |= newly_short
+        pairs |= violated
     return x, secs
 
 

@@ -3,9 +3,9 @@
 OEF's non-cooperative setting: tenants report their speed-ups themselves and may lie to
 get more.  A mechanism is *strategy-proof* when no report gains a tenant more (true)
 throughput than the truth.  This one is, for tenants running one job type unfused (the
-paper's model: a linear valuation per tenant), and it also gives the sharing incentive
-and envy-freeness among backlogged tenants.  It is our construction in that setting,
-not a transcription of the paper's formulation:
+paper's model: a linear valuation per tenant), and it also gives every tenant the
+sharing incentive and envy-freeness among backlogged single-type tenants.  It is our
+construction in that setting, not a transcription of the paper's formulation:
 
 1. **Shares** (:func:`_water_fill`).  Every tenant with demand starts from its weighted
    equal share of every type.  A tenant whose share holds all its trials (*saturated*,
@@ -15,8 +15,9 @@ not a transcription of the paper's formulation:
    the same bundle per unit of weight (the *endowment*).
 2. **Exchanges** (:func:`_trades`).  For every pair of types (lo, hi), ordered by a
    public price per device (``AllocationProblem.prices``, never from reports; all equal
-   when absent), each unsaturated tenant puts a fixed slice of its endowment, ``1/(G−1)``
-   of each type, into that pair's market.  A tenant whose reported value per price is
+   when absent), each unsaturated tenant with one job type puts a fixed slice of its
+   endowment, ``1/(G−1)`` of each type (G: the types present), into that pair's
+   market; a tenant with several job types keeps its endowment.  A tenant whose reported value per price is
    higher on hi sells lo for hi at the price ratio, the others the other way; the short
    side trades in full and the long side is rationed by the weighted uniform rule.
    A trade that adds devices is capped by the tenant's trials (its *headroom*, split
@@ -103,11 +104,10 @@ def _uniform_rule(limits: np.ndarray, weights: np.ndarray, total: float) -> np.n
 
 
 def _values(p: AllocationProblem, v: Vars) -> np.ndarray:
-    """(T, G) a tenant's reported value of one device of each type.
+    """(T, G) a tenant's reported value of one device of each type: its class's best rate.
 
-    One job type per tenant: the device's best rate for it.  A tenant with several
-    classes is valued by their demand-weighted mean (its mechanism then stays
-    strategy-proof only in the single-type model, as documented).
+    (Only tenants with one class trade; for the others this is the demand-weighted mean
+    of their classes' values, unused.)
     """
     per_class = np.zeros((p.n_classes, p.n_types))
     np.maximum.at(per_class, (v.cls, v.typ), v.rate)
@@ -118,15 +118,22 @@ def _values(p: AllocationProblem, v: Vars) -> np.ndarray:
 
 
 def _trades(p: AllocationProblem, v: Vars, endow: np.ndarray, unsat: np.ndarray) -> np.ndarray:
-    """(T, G) net devices each unsaturated tenant gains in the pairwise markets."""
-    G = p.n_types
-    prices = np.ones(G) if p.prices is None else np.asarray(p.prices, dtype=float)
+    """(T, G) net devices each trading tenant gains in the pairwise markets.
+
+    Traders are the unsaturated tenants with one job type (one class with demand): a
+    linear valuation describes them exactly.  A tenant with several job types keeps its
+    endowment (a trade priced by one averaged valuation could cost it throughput).
+    """
+    kinds = np.bincount(p.class_tenant[p.demand > 0], minlength=p.n_tenants)
+    unsat = unsat & (kinds == 1)
+    prices = np.ones(p.n_types) if p.prices is None else np.asarray(p.prices, dtype=float)
     w = p.weights.astype(float)
     value = _values(p, v)
     trials = np.bincount(p.class_tenant, weights=p.demand, minlength=p.n_tenants)
-    markets = list(itertools.combinations(np.argsort(prices, kind="stable"), 2))
+    present = [g for g in np.argsort(prices, kind="stable") if p.capacity[g] > 0]
+    markets = list(itertools.combinations(present, 2))
     headroom = np.maximum(trials - endow.sum(axis=1), 0.0) / max(len(markets), 1)
-    piece = 1.0 / max(G - 1, 1)  # each type's endowment is split over its G-1 markets
+    piece = 1.0 / max(len(present) - 1, 1)  # each type's endowment is split over its markets
     delta = np.zeros_like(endow)
     for lo, hi in markets:
         ratio = prices[hi] / prices[lo]
@@ -149,6 +156,6 @@ def _trades(p: AllocationProblem, v: Vars, endow: np.ndarray, unsat: np.ndarray)
 def exchange(p: AllocationProblem, v: Vars) -> tuple[np.ndarray | None, float]:
     """The non-cooperative allocation as a solution vector over ``v`` (and seconds)."""
     endow, unsat, secs = _water_fill(p, v)
-    bundles = endow + (_trades(p, v, endow, unsat) if unsat.sum() >= 2 else 0.0)
+    bundles = endow + _trades(p, v, endow, unsat)
     sol, s = best_use(p, v, np.maximum(bundles, 0.0))
     return sol, secs + s
