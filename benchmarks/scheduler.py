@@ -1,7 +1,14 @@
-"""Decision time of one scheduling round at service scale.
+"""Decision time of one scheduling round at service scale, and the policy comparison table.
 
     python benchmarks/scheduler.py                      # 10,000 trials, 500 devices, 50 tenants
     python benchmarks/scheduler.py --studies-per-tenant 20 --policy gavel
+    python benchmarks/scheduler.py table                # docs/scheduling.md's policy table
+
+``table`` replays synthetic workloads (scheduler._workload: ten tenants, loads from 0.5 to
+10 times their share, mixed job types or one job type per tenant) on three cluster mixes
+under every policy in the simulator, and solves static backlogs over a load sweep; it
+prints Markdown tables with the machine and the commit.  Nothing in it is timed but the
+runs themselves.
 
 Builds a random but realistic round: 50 tenants (weights 1-3), each running a few studies
 whose trials share one signature drawn from a pool of model signatures; 500 devices of
@@ -14,10 +21,13 @@ into LP solve time and the rest.  Nothing here asserts a speed: it only measures
 from __future__ import annotations
 
 import argparse
+import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -33,7 +43,24 @@ from fusetune.scheduler import (  # noqa: E402  (path set up above for running a
     make_scheduler,
 )
 
+from fusetune.scheduler import AllocationProblem, solve_allocation  # noqa: E402
+from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, PEAK_TFLOPS, JobTypeCurves  # noqa: E402
+from fusetune.scheduler._simulator import SimResult, simulate  # noqa: E402
+from fusetune.scheduler._workload import backlog, offered_load, synthetic_workload  # noqa: E402
+from fusetune.server.simulate import DEFAULT_DATA, read_job_type_curves  # noqa: E402
+
 TYPES = {"k80": (1.0, 12 << 30), "p100": (2.5, 16 << 30), "v100": (4.0, 16 << 30)}
+MIXES = ("36:36:36", "60:30:18", "24:24:60")  # K80:P100:V100
+# (label, policy, backfill): gavel-paper runs twice, with the simulator's backfill (Gavel's
+# round mechanism also hands leftover workers to waiting jobs) and with its LP alone.
+TABLE_POLICIES = (
+    ("fifo", "fifo", True),
+    ("gavel-paper", "gavel-paper", True),
+    ("gavel-paper, LP only", "gavel-paper", False),
+    ("gavel", "gavel", True),
+    ("oef", "oef", True),
+    ("fusetune", "fusetune", True),
+)
 
 
 def build_round(
@@ -68,6 +95,8 @@ def build_round(
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["table"]:
+        return table_main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10_000)
     parser.add_argument("--devices", type=int, default=500)
@@ -105,6 +134,119 @@ def main() -> int:
         )
     warm = times[1:] or times
     print(f"median over rounds 1..{len(times) - 1}: {statistics.median(warm) * 1e3:.1f} ms; max {max(warm) * 1e3:.1f} ms")
+    return 0
+
+
+def _mix(spec: str) -> dict[str, int]:
+    """``"36:36:36"`` -> ``{"k80": 36, "p100": 36, "v100": 36}``."""
+    return dict(zip(("k80", "p100", "v100"), (int(n) for n in spec.split(":")), strict=True))
+
+
+def _provenance() -> str:
+    """The commit and the machine, for the recorded output."""
+    root = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "scheduler"], capture_output=True, text=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    state = " (scheduler/ modified)" if dirty.stdout.strip() else ""
+    return f"commit {commit.stdout.strip() or '?'}{state}; {cpu}, Python {platform.python_version()}"
+
+
+def _row(label: str, kind: str, r: SimResult, ref: dict[str, SimResult]) -> str:
+    """One Markdown row of the policy table."""
+    def ratio(name: str) -> str:
+        base = ref[name].norm_throughput if name in ref else 0.0
+        return f"{r.norm_throughput / base:.2f}" if base else "-"
+
+    return (
+        f"| {kind} | {label} | {r.norm_throughput:.2f} | {ratio('fifo')} | {ratio('gavel-paper')} | {ratio('gavel')} "
+        f"| {r.avg_jct_h:.2f} | {r.si_min:.3f} | {r.max_envy:.3f} | {r.jain:.3f} |"
+    )
+
+
+def _simulated(calib: JobTypeCurves, mix: dict[str, int], hours: float, seed: int) -> list[str]:
+    """The simulated table rows of one mix: both tenant kinds, every policy."""
+    reference = {j: calib.curves[(j, "p100")].solo_steps_per_s for j in calib.job_types}
+    rows = []
+    for one in (False, True):
+        kind = "one type each" if one else "mixed types"
+        studies, trials = synthetic_workload(
+            calib.job_types, reference, sum(mix.values()), one_type_per_tenant=one, hours=hours, seed=seed
+        )
+        load = offered_load(trials, reference, sum(mix.values()), hours)
+        print(f"  {kind}: {len(studies)} studies, {len(trials)} trials, offered load {load:.2f}", file=sys.stderr)
+        ref: dict[str, SimResult] = {}
+        for label, policy, backfill in TABLE_POLICIES:
+            t0 = time.perf_counter()
+            ref[label] = simulate(policy, studies, trials, calib.curves, mix, GPU_MEMORY_BYTES, seed=seed, backfill=backfill)
+            print(f"    {label}: {ref[label].rounds} rounds in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        rows += [_row(label, kind, ref[label], ref) for label, _, _ in TABLE_POLICIES]
+        rows.append("| " + kind + " | fusetune's SI by tenant | " + ", ".join(
+            f"{t[-2:]}={v:.3f}" for t, v in sorted(ref["fusetune"].si_by_tenant.items())) + " | | | | | | | |")
+    return rows
+
+
+def _backlog_problem(calib: JobTypeCurves, mix: dict[str, int], scale: float, seed: int) -> AllocationProblem:
+    """A one-type-per-tenant backlog (loads 0.5·scale to 10·scale) as an unfused LP instance."""
+    model = ThroughputModel()
+    for (job, gpu), curve in calib.curves.items():
+        model.set_curve(job, gpu, curve)
+    sched = make_scheduler("oef", model, prices=PEAK_TFLOPS)
+    waiting = backlog(calib.job_types, sum(mix.values()), low=0.5 * scale, high=10.0 * scale, seed=seed)
+    devices = [Device(f"{g}-{i}", g, GPU_MEMORY_BYTES[g]) for g, n in mix.items() for i in range(n)]
+    classes = sorted((t, j) for t, j, _ in waiting)
+    demand = {(t, j): n for t, j, n in waiting}
+    return sched.problem(classes, [demand[c] for c in classes], devices, {t: 1.0 for t, _, _ in waiting})[0]
+
+
+def _static_sweep(calib: JobTypeCurves, seeds: int) -> list[str]:
+    """Total throughput ratios of the fractional allocations over a load sweep."""
+    rows = [
+        "| mean tenant load | mix | oef ÷ gavel-paper (LP) | oef ÷ gavel | oef-noncooperative ÷ gavel-paper | "
+        "gavel-paper devices used |",
+        "|---|---|---|---|---|---|",
+    ]
+    for scale in (0.5 / 3.17, 1 / 3.17, 2 / 3.17, 1.0, 5 / 3.17, 10 / 3.17):
+        for spec in MIXES:
+            tot = dict.fromkeys(("max_min_paper", "max_min", "oef", "oef_noncooperative"), 0.0)
+            used = 0.0
+            for seed in range(seeds):
+                p = _backlog_problem(calib, _mix(spec), scale, seed)
+                for pol in tot:
+                    alloc = solve_allocation(p, pol)  # type: ignore[arg-type]
+                    tot[pol] += float(alloc.utility.sum())
+                    used += float(alloc.devices.sum()) / p.capacity.sum() / seeds if pol == "max_min_paper" else 0.0
+            paper = tot["max_min_paper"]
+            rows.append(
+                f"| {3.17 * scale:.1f} | {spec} | {tot['oef'] / paper:.3f} | {tot['oef'] / tot['max_min']:.3f} "
+                f"| {tot['oef_noncooperative'] / paper:.3f} | {used:.0%} |"
+            )
+    return rows
+
+
+def table_main(argv: Sequence[str]) -> int:
+    """``table``: print the policy table and the static sweep (docs/scheduling.md)."""
+    parser = argparse.ArgumentParser(prog="benchmarks/scheduler.py table")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--mixes", default=",".join(MIXES))
+    parser.add_argument("--hours", type=float, default=12.0, help="arrival window of the synthetic workloads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep-seeds", type=int, default=5)
+    args = parser.parse_args(argv)
+    calib = read_job_type_curves(args.data)
+    print(_provenance())
+    print()
+    print("| tenants | policy | norm. throughput | × fifo | × gavel-paper | × gavel | avg JCT (h) | min SI | max envy | Jain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for spec in args.mixes.split(","):
+        print(f"mix {spec}:", file=sys.stderr)
+        print(f"| **{spec}** | | | | | | | | | |")
+        for row in _simulated(calib, _mix(spec), args.hours, args.seed):
+            print(row, flush=True)
+    print()
+    for row in _static_sweep(calib, args.sweep_seeds):
+        print(row, flush=True)
     return 0
 
 
