@@ -32,8 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fusetune.scheduler import (  # noqa: E402  (path set up above for running as a script)
+from fusetune.scheduler import (
     POLICIES,
+    AllocationProblem,
     Device,
     PendingTrial,
     Placement,
@@ -41,13 +42,12 @@ from fusetune.scheduler import (  # noqa: E402  (path set up above for running a
     Tenant,
     ThroughputModel,
     make_scheduler,
+    solve_allocation,
 )
-
-from fusetune.scheduler import AllocationProblem, solve_allocation  # noqa: E402
-from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, PEAK_TFLOPS, JobTypeCurves  # noqa: E402
-from fusetune.scheduler._simulator import SimResult, simulate  # noqa: E402
-from fusetune.scheduler._workload import backlog, offered_load, synthetic_workload  # noqa: E402
-from fusetune.server.simulate import DEFAULT_DATA, read_job_type_curves  # noqa: E402
+from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, PEAK_TFLOPS, JobTypeCurves
+from fusetune.scheduler._simulator import SimResult, simulate
+from fusetune.scheduler._workload import backlog, offered_load, synthetic_workload
+from fusetune.server.simulate import DEFAULT_DATA, read_job_type_curves
 
 TYPES = {"k80": (1.0, 12 << 30), "p100": (2.5, 16 << 30), "v100": (4.0, 16 << 30)}
 MIXES = ("36:36:36", "60:30:18", "24:24:60")  # K80:P100:V100
@@ -145,8 +145,8 @@ def _mix(spec: str) -> dict[str, int]:
 def _provenance() -> str:
     """The commit and the machine, for the recorded output."""
     root = Path(__file__).resolve().parent.parent
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "scheduler"], capture_output=True, text=True)
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "scheduler"], capture_output=True, text=True, check=False)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
     state = " (scheduler/ modified)" if dirty.stdout.strip() else ""
@@ -203,8 +203,10 @@ def _backlog_problem(calib: JobTypeCurves, mix: dict[str, int], scale: float, se
 def _static_sweep(calib: JobTypeCurves, seeds: int) -> list[str]:
     """Total throughput ratios of the fractional allocations over a load sweep."""
     rows = [
-        "| mean tenant load | mix | oef ÷ gavel-paper (LP) | oef ÷ gavel | oef-noncooperative ÷ gavel-paper | "
-        "gavel-paper devices used |",
+        (
+            "| mean tenant load | mix | oef ÷ gavel-paper (LP) | oef ÷ gavel | oef-noncooperative ÷ gavel-paper | "
+            "gavel-paper devices used |"
+        ),
         "|---|---|---|---|---|---|",
     ]
     for scale in (0.5 / 3.17, 1 / 3.17, 2 / 3.17, 1.0, 5 / 3.17, 10 / 3.17):

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from scipy import sparse
-
 from fusetune.scheduler._exchange import exchange
 from fusetune.scheduler._lp import (
     AllocationProblem,
@@ -46,14 +44,15 @@ from fusetune.scheduler._lp import (
     utility_matrix,
     variables,
 )
+from scipy import sparse
 
 __all__ = [
-    "AllocationProblem",
     "Allocation",
+    "AllocationProblem",
     "FairnessPolicy",
-    "solve_allocation",
     "equal_share_utilities",
     "proportional_utilities",
+    "solve_allocation",
 ]
 
 FairnessPolicy = Literal["max_min", "max_min_paper", "oef", "oef_noncooperative"]
@@ -374,6 +373,7 @@ def solve_allocation(
         raise ValueError(f"unknown fairness policy {policy!r}")
     v = variables(p)
     prefer = np.zeros(v.size)
+    sol: np.ndarray | None
     if incumbent is not None and v.size:
         prefer = _STICKINESS * float(v.rate.mean()) * (np.asarray(incumbent)[v.cls, v.typ] > 0)
     if v.size and np.unique(p.class_tenant[p.demand > 0]).size == 1:
@@ -389,7 +389,7 @@ def solve_allocation(
             return _allocation(p, v, sol, e, ~unmet_tenants(p, v, scatter(p, v, sol)[1]), secs)
     es = equal_share(p, v)
     secs = es.seconds
-    sol: np.ndarray | None = None
+    sol = None
     if v.size:
         if policy == "max_min":
             sol, s = _max_min(p, v, es.utility, prefer)

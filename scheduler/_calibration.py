@@ -27,12 +27,12 @@ from typing import Any
 from fusetune.scheduler._throughput import SpeedupCurve
 
 __all__ = [
+    "GPU_MEMORY_BYTES",
     "HFTA_POINTNET_V100_MARGINAL_COST",
     "PEAK_TFLOPS",
-    "GPU_MEMORY_BYTES",
     "JobTypeCurves",
-    "marginal_cost_floor",
     "job_type_curves",
+    "marginal_cost_floor",
     "parse_job_key",
 ]
 

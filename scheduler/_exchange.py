@@ -39,8 +39,14 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-
-from fusetune.scheduler._lp import AllocationProblem, Vars, active_tenants, best_use, scatter, unmet_tenants
+from fusetune.scheduler._lp import (
+    AllocationProblem,
+    Vars,
+    active_tenants,
+    best_use,
+    scatter,
+    unmet_tenants,
+)
 
 __all__ = ["exchange"]
 

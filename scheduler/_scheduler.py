@@ -14,14 +14,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-
-from fusetune.scheduler._allocation import Allocation, AllocationProblem, FairnessPolicy, solve_allocation
+from fusetune.scheduler._allocation import (
+    Allocation,
+    AllocationProblem,
+    FairnessPolicy,
+    solve_allocation,
+)
 from fusetune.scheduler._packing import PendingTrial
 from fusetune.scheduler._rounding import Rounding
 from fusetune.scheduler._throughput import SpeedupCurve, ThroughputModel
 from fusetune.scheduler._types import Decision, Device, Placement, Tenant
 
-__all__ = ["Scheduler", "PolicyName", "POLICIES", "make_scheduler"]
+__all__ = ["POLICIES", "PolicyName", "Scheduler", "make_scheduler"]
 
 PolicyName = Literal["fifo", "gavel-paper", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"]
 
@@ -341,7 +345,7 @@ class Scheduler:
         placements: list[Placement] = []
         used: set[str] = set()
         for p, d, alive in current:
-            ids = list(alive)
+            ids: list[int] = list(alive)
             if self.fusion:
                 # Epoch-boundary refill of freed slots with same-signature trials.
                 want = self._members(p.signature, d.device_type, d.memory_bytes)
@@ -366,7 +370,7 @@ class Scheduler:
             free.remove(fit)
             b = self._members(t.signature, fit.device_type, fit.memory_bytes)
             queue = queue_by_class[(t.tenant, t.signature)]
-            ids: list[int] = []
+            ids = []
             for i in queue:
                 if len(ids) >= b:
                     break

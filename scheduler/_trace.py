@@ -26,7 +26,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PhillyJob", "TraceStudy", "TraceTrial", "philly_studies", "per_trial_tenants", "gavel_trace_lines"]
+__all__ = ["PhillyJob", "TraceStudy", "TraceTrial", "gavel_trace_lines", "per_trial_tenants", "philly_studies"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,6 @@ def gavel_trace_lines(trials: Sequence[TraceTrial]) -> list[str]:
     name this simulator: Gavel's simulator only reads type, steps, scale and arrival.
     """
     return [
-        f"{t.job_type}\tfusetune-sim\t.\t-n\t0\t{max(1, int(round(t.steps)))}\t1\t1\t-1\t{t.arrival:.6f}"
+        f"{t.job_type}\tfusetune-sim\t.\t-n\t0\t{max(1, round(t.steps))}\t1\t1\t-1\t{t.arrival:.6f}"
         for t in sorted(trials, key=lambda t: (t.arrival, t.trial_id))
     ]

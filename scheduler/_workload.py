@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from fusetune.scheduler._trace import TraceStudy, TraceTrial
 
-__all__ = ["tenant_loads", "synthetic_workload", "backlog", "offered_load"]
+__all__ = ["backlog", "offered_load", "synthetic_workload", "tenant_loads"]
 
 
 def tenant_loads(n: int, low: float = 0.5, high: float = 10.0) -> list[float]:
@@ -98,13 +98,13 @@ def synthetic_workload(
     drafts: list[list[tuple[float, list[float]]]] = []  # per tenant: (arrival s, trial hours)
     for load in loads:
         rate = load * share / mean_work  # studies per hour
-        t, studies = rng.expovariate(rate), []
+        t, draft = rng.expovariate(rate), []
         while t < hours:
             size = rng.randint(1, 2 * trials_per_study - 1)
             lengths = [min(12.0, max(0.05, rng.expovariate(1.0 / mean_trial_hours))) for _ in range(size)]
-            studies.append((t * 3600.0, lengths))
+            draft.append((t * 3600.0, lengths))
             t += rng.expovariate(rate)
-        drafts.append(studies)
+        drafts.append(draft)
     kinds = _job_types(names, job_types, [len(d) for d in drafts], one_type_per_tenant, seed + 1)
     flat = sorted(
         (arrival, i, k, lengths) for i, d in enumerate(drafts) for k, (arrival, lengths) in enumerate(d)

@@ -22,12 +22,22 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, JobTypeCurves, job_type_curves
+from fusetune.scheduler._calibration import (
+    GPU_MEMORY_BYTES,
+    JobTypeCurves,
+    job_type_curves,
+)
 from fusetune.scheduler._scheduler import POLICIES
 from fusetune.scheduler._simulator import SimResult, simulate
-from fusetune.scheduler._trace import PhillyJob, TraceTrial, gavel_trace_lines, per_trial_tenants, philly_studies
+from fusetune.scheduler._trace import (
+    PhillyJob,
+    TraceTrial,
+    gavel_trace_lines,
+    per_trial_tenants,
+    philly_studies,
+)
 
-__all__ = ["DEFAULT_DATA", "read_philly_jobs", "read_job_type_curves", "write_gavel_trace", "main"]
+__all__ = ["DEFAULT_DATA", "main", "read_job_type_curves", "read_philly_jobs", "write_gavel_trace"]
 
 # The data folder (docs/scheduling.md): $FUSETUNE_SIM_DATA, else a checkout's ../shared/data.
 DEFAULT_DATA = Path(os.environ.get("FUSETUNE_SIM_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -81,13 +91,14 @@ def format_table(results: Sequence[SimResult], baseline: str = "gavel") -> str:
         "| Jain | min SI ratio | max envy | max ρ | solver ms/round (mean / max) |"
     )
     rows = [head, "|" + "---|" * 12]
-    for r in results:
-        def ratio(other: str) -> str:
-            base = ref[other].norm_throughput if other in ref else 0.0
-            return f"{r.norm_throughput / base:.2f}" if base else "-"
 
+    def ratio(r: SimResult, other: str) -> str:
+        base = ref[other].norm_throughput if other in ref else 0.0
+        return f"{r.norm_throughput / base:.2f}" if base else "-"
+
+    for r in results:
         rows.append(
-            f"| {r.policy} | {r.norm_throughput:.2f} | {ratio(baseline)} | {ratio('fifo')} | {r.avg_jct_h:.2f} "
+            f"| {r.policy} | {r.norm_throughput:.2f} | {ratio(r, baseline)} | {ratio(r, 'fifo')} | {r.avg_jct_h:.2f} "
             f"| {r.p99_jct_h:.2f} | {r.makespan_h:.1f} | {r.jain:.3f} | {r.si_min:.4f} | {r.max_envy:.3f} "
             f"| {r.rho_max:.2f} | {r.solver_ms_mean:.1f} / {r.solver_ms_max:.1f} |"
         )

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import strategies as st
-
 from fusetune.scheduler import AllocationProblem
+from hypothesis import strategies as st
 
 
 @st.composite

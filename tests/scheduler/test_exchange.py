@@ -9,10 +9,10 @@ throughput (strategy-proofness), every tenant gets at least its equal share's be
 from __future__ import annotations
 
 import numpy as np
+from fusetune.scheduler import AllocationProblem, solve_allocation
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusetune.scheduler import AllocationProblem, solve_allocation
 from tests.scheduler.gavel_speeds import one_type_problem
 from tests.scheduler.problems import bundles
 
@@ -83,11 +83,11 @@ def test_sharing_incentive_and_no_envy_among_backlogged_tenants(case: tuple[Allo
     held = bundles(problem, alloc.devices)
     backlogged = problem.demand >= problem.capacity.sum()
     for i in np.flatnonzero(backlogged):
-        own = _true_utility(problem, i, held[i])
+        own = _true_utility(problem, int(i), held[i])
         for j in range(problem.n_tenants):
             if j != i:
                 scaled = held[j] * problem.weights[i] / problem.weights[j]
-                assert _true_utility(problem, i, scaled) <= own + 1e-6 * max(1.0, own), (i, j)
+                assert _true_utility(problem, int(i), scaled) <= own + 1e-6 * max(1.0, own), (i, j)
 
 
 def test_with_equal_prices_and_equal_tastes_it_is_the_equal_split() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
 from fusetune.scheduler import SpeedupCurve
 from fusetune.scheduler._simulator import simulate
 from fusetune.scheduler._trace import TraceStudy, TraceTrial
@@ -26,7 +25,8 @@ CURVES = {
 
 def mini_trace() -> tuple[list[TraceStudy], list[TraceTrial]]:
     """30 studies of 2-4 trials from tenants a, b, c arriving over ten minutes."""
-    studies, trials = [], []
+    studies: list[TraceStudy] = []
+    trials: list[TraceTrial] = []
     for sid in range(30):
         tenant = "abc"[sid % 3]
         job = "cnn" if tenant == "b" else "mlp"
@@ -41,7 +41,7 @@ def mini_trace() -> tuple[list[TraceStudy], list[TraceTrial]]:
 @pytest.mark.parametrize("policy", ["fifo", "gavel", "fusetune"])
 def test_mini_trace_replays_deterministically_with_shares_and_jcts(policy: str) -> None:
     studies, trials = mini_trace()
-    kwargs = dict(round_seconds=30.0, max_members=4, memory={"fast": 16 * GIB, "slow": 16 * GIB})
+    kwargs = {"round_seconds": 30.0, "max_members": 4, "memory": {"fast": 16 * GIB, "slow": 16 * GIB}}
     first = simulate(policy, studies, trials, CURVES, {"fast": 1, "slow": 1}, **kwargs)  # type: ignore[arg-type]
     again = simulate(policy, studies, trials, CURVES, {"fast": 1, "slow": 1}, **kwargs)  # type: ignore[arg-type]
     # Identical but for the solver's wall time, the one measured quantity.
@@ -55,7 +55,7 @@ def test_mini_trace_replays_deterministically_with_shares_and_jcts(policy: str) 
 
 def test_fusion_and_fairness_finish_the_mini_trace_sooner_than_fifo() -> None:
     studies, trials = mini_trace()
-    kwargs = dict(round_seconds=30.0, max_members=4, memory={"fast": 16 * GIB, "slow": 16 * GIB})
+    kwargs = {"round_seconds": 30.0, "max_members": 4, "memory": {"fast": 16 * GIB, "slow": 16 * GIB}}
     fifo = simulate("fifo", studies, trials, CURVES, {"fast": 1, "slow": 1}, **kwargs)  # type: ignore[arg-type]
     fusetune = simulate("fusetune", studies, trials, CURVES, {"fast": 1, "slow": 1}, **kwargs)  # type: ignore[arg-type]
     assert fusetune.avg_jct_h < fifo.avg_jct_h

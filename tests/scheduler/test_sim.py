@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
-
 from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, marginal_cost_floor
 from fusetune.scheduler._simulator import simulate
 from fusetune.scheduler._trace import per_trial_tenants, philly_studies
@@ -82,6 +82,6 @@ def test_cli_prints_one_row_per_policy(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["--cluster", "k80=2,p100=2,v100=2", "--hours", "1", "--policies", "fifo,fusetune"]) == 0
     out = capsys.readouterr().out
     assert out.count("| fifo |") == 1 and out.count("| fusetune |") == 1
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError):
         parse_cluster("tpu=3")
     assert "| policy |" in format_table([])
