@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import math
 import threading
 import time
-from collections.abc import AsyncIterator, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -176,6 +176,8 @@ async def stream(
     poll_interval_s: float,
     max_stream_s: float,
     kinds: Collection[str] | None = None,
+    authorized: Callable[[Session], bool] | None = None,
+    recheck_s: float = math.inf,
 ) -> AsyncIterator[bytes]:
     """Server-sent events after id ``after``, encoded: each chunk is the events of one read.
 
@@ -185,13 +187,17 @@ async def stream(
     events, then the stream ends; otherwise it waits for new ones (woken as this process
     commits them, and polling the table every ``poll_interval_s`` for other processes'),
     and ends after ``max_stream_s`` (an EventSource reconnects with ``Last-Event-ID`` and
-    loses nothing). Each database read runs on a worker thread, with a session of its own,
-    so an open stream holds no connection while it waits.
+    loses nothing). ``authorized`` (whether the stream's token still authenticates) is asked
+    again at a read at least every ``recheck_s`` seconds: the stream ends when it says no, so
+    a revoked token reads nothing more (its reconnect is a 401). Each database read runs on a
+    worker thread, with a session of its own, so an open stream holds no connection while it waits.
     """
 
-    def fetch(after: int | None) -> tuple[int, list[EventOut]]:
-        def once() -> tuple[int, list[EventOut]]:
+    def fetch(after: int | None, recheck: bool) -> tuple[int, list[EventOut]] | None:
+        def once() -> tuple[int, list[EventOut]] | None:
             with sessions() as session:
+                if recheck and authorized is not None and not authorized(session):
+                    return None
                 if after is None:
                     return last_id(session), []
                 return after, read(session, after, as_tenant=as_tenant, study_id=study_id, kinds=kinds)
@@ -202,26 +208,32 @@ async def stream(
         return retry_disconnected(once, lambda: None)
 
     deadline = time.monotonic() + max_stream_s
+    recheck_at = time.monotonic() + recheck_s
     bell = _doorbell.subscribe(as_tenant, study_id, kinds) if follow else None
     try:
         while True:
             if bell is not None:
                 bell.clear()  # before the read: a commit during it rings for the next one
-            after, batch = await run_in_threadpool(fetch, after)
+            recheck = time.monotonic() >= recheck_at
+            if recheck:
+                recheck_at = time.monotonic() + recheck_s
+            fetched = await run_in_threadpool(fetch, after, recheck)
+            if fetched is None:
+                return  # its token no longer authenticates
+            after, batch = fetched
             if batch:
                 # One chunk per read, not one send per event: a sweep's hundreds of events
                 # each went through the ASGI stack on their own, the largest cost of a
                 # watched sweep in the server's event loop.
                 after = batch[-1].id
-                yield b"".join(
-                    ServerSentEvent(id=str(e.id), event=e.kind, data=json.dumps(e.model_dump(mode="json"))).encode() for e in batch
-                )
+                yield b"".join(ServerSentEvent(id=str(e.id), event=e.kind, data=e.model_dump_json()).encode() for e in batch)
             if len(batch) == BATCH:
                 continue  # more are stored: read on before waiting
-            if bell is None or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if bell is None or now >= deadline:
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(bell.wait(), min(poll_interval_s, max(0.0, deadline - time.monotonic())))
+                await asyncio.wait_for(bell.wait(), max(0.0, min(poll_interval_s, deadline - now, recheck_at - now)))
     finally:
         if bell is not None:
             _doorbell.unsubscribe(bell)
