@@ -9,13 +9,16 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import ray
 import torch
 
 import fusetune.fusion as fusion
-from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
+from fusetune.workers.memory import array_memory_model
+from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
 from fusetune.workers.training import train_array
+from fusetune.workers.workloads import get_workload
 
 class ArrayWorker:
     """Trains arrays on one device: a GPU (``cuda``), a TPU core (``xla``) or the CPU.
@@ -77,6 +80,15 @@ class ArrayWorker:
     def heartbeat(self) -> bool:
         """Answered on the actor's second thread while :meth:`run` trains: the process lives."""
         return True
+
+    def memory_model(self, workload: str, params: dict[str, Any], training: TrainingSpec) -> tuple[int, int]:
+        """The memory model of an array of ``params``' class, ``(base, member)`` bytes
+        (:func:`workers.memory.array_memory_model`), measured in this process: the control
+        plane never builds or steps a tenant's model to size its arrays. Asked of an idle
+        worker; one that takes an array meanwhile measures on its second thread, on the CPU,
+        where what it counts (tensors, not the allocator's peak) is the array's alone.
+        """
+        return array_memory_model(get_workload(workload), params, training)
 
     def offer(self, array_id: int, members: list[MemberSpec], after_epoch: int = 0) -> None:
         """Queue newcomers for array ``array_id``: they join it at its first epoch boundary

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fusetune.workers.actor import ArrayWorker
-from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec
+from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,30 @@ class WorkerPool:
                 worker.spec, worker.stream, worker.ping = None, None, None
             events.append((worker, spec, item))
         return events
+
+    @staticmethod
+    def measure_memory(worker: WorkerHandle, workload: str, params: dict[str, Any], training: TrainingSpec) -> ray.ObjectRef:
+        """Start measuring, on ``worker``, the memory model of an array of ``params``' class
+        (``ArrayWorker.memory_model``); :meth:`measured` reads it without waiting."""
+        return worker.actor.memory_model.remote(workload, params, training)
+
+    def measured(self, ref: ray.ObjectRef) -> tuple[int, int] | None:
+        """A measurement's ``(base, member)`` bytes; None while it runs.
+
+        Raises:
+            LookupError: its worker died before it answered (measure again on another).
+            RuntimeError: the measurement failed, with its error.
+        """
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return None
+        try:
+            base, member = ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as exc:
+            raise LookupError(f"its worker died: {exc}") from exc
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(str(exc).strip().splitlines()[-1]) from exc
+        return int(base), int(member)
 
     def _replace(self, worker: WorkerHandle) -> None:
         """A new actor for a dead one, on its node; none if the node left (or it cannot start)."""
