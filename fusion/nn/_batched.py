@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .._errors import FusionError, FusionWarning
 from ._base import FusedLayer, stack_buffer, stack_param
-from ._batched_call import batched_call, in_batched_call
+from ._batched_call import batched_call, flatten, flatten_call, in_batched_call, unflatten
 from ._batched_ops import FoldOps
-from ._holding import holding
+from ._holding import holding, state_of
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
@@ -63,8 +63,9 @@ class BatchedModule(FusedLayer):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if in_batched_call():
             return super(BatchedModule, self).forward(*args, **kwargs)  # type: ignore[misc]
-        if self.per_member_reason is not None or self.num_members == 1:
-            # One member is an ordinary model: its plain module, without vmap's overhead.
+        if self.num_members == 1:
+            return self._single(args, kwargs)
+        if self.per_member_reason is not None:
             return self._per_member(args, kwargs)
         if self.training in self.__dict__.get("_vmapped_ok", ()):
             return self._vmapped(args, kwargs)
@@ -81,19 +82,19 @@ class BatchedModule(FusedLayer):
 
     def _vmapped(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         b = self.num_members
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = flatten_call(args, kwargs)
         axes = self._axes("arg_axes", len(leaves))
         inputs = [t.unflatten(a, (b, -1)) if isinstance(t, torch.Tensor) and a is not None else t
                   for t, a in zip(leaves, axes)]
         in_dims = [a if isinstance(t, torch.Tensor) else None for t, a in zip(leaves, axes)]
-        state = stacked_state(self)
+        state = state_of(self)
         found: dict[str, Any] = {}
 
         def member(state: dict[str, torch.Tensor], inputs: list[Any]) -> tuple[Any, ...]:
-            a, k = pytree.tree_unflatten(inputs, spec)
+            a, k = unflatten(inputs, spec)
             with holding(self, state), batched_call(True), FoldOps():
                 out = self(*a, **k)
-            out_leaves, found["spec"] = pytree.tree_flatten(out)
+            out_leaves, found["spec"] = flatten(out)
             found["leaves"] = out_leaves
             return tuple(t for t in out_leaves if isinstance(t, torch.Tensor))
 
@@ -105,7 +106,7 @@ class BatchedModule(FusedLayer):
         )
         folded = iter(t.flatten(a, a + 1) for t, a in zip(outs, out_dims))
         merged = [next(folded) if isinstance(t, torch.Tensor) else t for t in found["leaves"]]
-        return pytree.tree_unflatten(merged, found["spec"])
+        return unflatten(merged, found["spec"])
 
     def _first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Try vmap; where it cannot run the module, undo what it changed and loop over members."""
@@ -136,30 +137,49 @@ class BatchedModule(FusedLayer):
     def _per_member(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the plain copy once per member on its rows and tensors; merge the outputs."""
         b = self.num_members
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = flatten_call(args, kwargs)
         axes = self._axes("arg_axes", len(leaves))
         chunks = [t.chunk(b, dim=a) if isinstance(t, torch.Tensor) and a is not None else [t] * b
                   for t, a in zip(leaves, axes)]
-        state = stacked_state(self)
-        # The plain copy holds one member's per-member settings (dropout p, BatchNorm
-        # momentum); each member runs with its own, and the copy gets its own back.
-        settings = [layer for layer in self.modules()
-                    if isinstance(layer, FusedLayer) and layer is not self and layer.per_member_attrs]
-        saved = [(layer.plain, {attr: getattr(layer.plain, attr) for attr in layer.per_member_attrs})
-                 for layer in settings]
+        # unbind: one view per member whose backward stacks the gradients (indexing each
+        # member would scatter each one into zeros of the whole stacked shape).
+        members = {name: t.unbind(0) for name, t in state_of(self).items()}
         outs = []
+        for m in range(b):
+            a, k = unflatten([c[m] for c in chunks], spec)
+            with self._member_settings(m), holding(self.plain, {name: t[m] for name, t in members.items()}):
+                outs.append(flatten(self.plain(*a, **k)))
+        return self._merge(outs)
+
+    def _single(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One member is an ordinary model: the plain copy with its tensors, no vmap, no loop."""
+        # squeeze, not [0]: a view whose backward is a view too.
+        with self._member_settings(0), holding(self.plain, {n: t.squeeze(0) for n, t in state_of(self).items()}):
+            return self.plain(*args, **kwargs)
+
+    @contextmanager
+    def _member_settings(self, m: int) -> Iterator[None]:
+        """The plain copy holds one member's per-member settings (dropout ``p``, BatchNorm
+        ``momentum``): member ``m``'s while the block runs, its own again afterwards."""
+        found = self.__dict__.get("_member_settings_layers")
+        if found is None:
+            found = [layer for layer in self.modules()
+                     if isinstance(layer, FusedLayer) and layer is not self and layer.per_member_attrs]
+            self.__dict__["_member_settings_layers"] = found
+        saved = [(layer.plain, {attr: getattr(layer.plain, attr) for attr in layer.per_member_attrs})
+                 for layer in found]
         try:
-            for m in range(b):
-                a, k = pytree.tree_unflatten([c[m] for c in chunks], spec)
-                for layer in settings:
-                    for attr, value in layer.member_config(m).items():
-                        setattr(layer.plain, attr, value)
-                with holding(self.plain, {name: t[m] for name, t in state.items()}):
-                    outs.append(pytree.tree_flatten(self.plain(*a, **k)))
+            for layer in found:
+                for attr, value in layer.member_config(m).items():
+                    setattr(layer.plain, attr, value)
+            yield
         finally:
             for plain, values in saved:
                 for attr, value in values.items():
                     setattr(plain, attr, value)
+
+    def _merge(self, outs: list[tuple[list[Any], Any]]) -> Any:
+        """The members' outputs, each tensor joined along its batch axis."""
         out_axes = self._axes("out_axes", len(outs[0][0]))
         merged = []
         for i, leaf in enumerate(outs[0][0]):
@@ -167,16 +187,9 @@ class BatchedModule(FusedLayer):
                 merged.append(leaf)
                 continue
             if out_axes[i] is None:
-                raise FusionError(f"submodule '{self.fusion_path}': output {i} has no batch axis")
-            merged.append(torch.cat([o[0][i] for o in outs], dim=out_axes[i]))
-        return pytree.tree_unflatten(merged, outs[0][1])
-
-
-def stacked_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer below ``module`` by name (tied parameters once)."""
-    state: dict[str, torch.Tensor] = dict(module.named_parameters())
-    state.update(module.named_buffers())
-    return state
+                raise FusionError(f"{self.label}: output {i} has no batch axis")
+            merged.append(leaf if len(outs) == 1 else torch.cat([o[0][i] for o in outs], dim=out_axes[i]))
+        return unflatten(merged, outs[0][1])
 
 
 def batched_class(cls: type[nn.Module]) -> type[nn.Module]:

@@ -97,17 +97,22 @@ def make_plan(layer: FusedLayer, arg_axes: list[int | None], out_axes: list[int 
     return FoldPlan(tuple(arg_axes), tuple(out_axes))
 
 
-def _flatten(tree: Any) -> tuple[list[Any], Any]:
-    """pytree's flatten, short-cut for the common call ``layer(tensor, ...)`` and a tensor output."""
+def flatten(tree: Any) -> tuple[list[Any], Any]:
+    """pytree's flatten of an output, short-cut for a single tensor."""
     if isinstance(tree, torch.Tensor):
         return [tree], None
-    if isinstance(tree, tuple) and len(tree) == 2 and not tree[1] and isinstance(tree[0], tuple) \
-            and all(isinstance(t, torch.Tensor) for t in tree[0]):
-        return list(tree[0]), len(tree[0])
     return pytree.tree_flatten(tree)
 
 
-def _unflatten(leaves: list[Any], spec: Any) -> Any:
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """pytree's flatten of a call's ``(args, kwargs)``, short-cut for ``layer(tensor, ...)``."""
+    if not kwargs and all(isinstance(t, torch.Tensor) for t in args):
+        return list(args), len(args)
+    return pytree.tree_flatten((args, kwargs))
+
+
+def unflatten(leaves: list[Any], spec: Any) -> Any:
+    """Undo :func:`flatten` or :func:`flatten_call`."""
     if spec is None:
         return leaves[0]
     if isinstance(spec, int):
@@ -125,7 +130,7 @@ def _run_folded(layer: FusedLayer, plan: FoldPlan, b: int, spec: Any, leaves: li
     folded = list(leaves)
     for i, (t, d) in phys.items():
         folded[i] = _fold(t, d, plan.arg_axes[i], b, plan.new_axis)
-    args, kwargs = _unflatten(folded, spec)
+    args, kwargs = unflatten(folded, spec)
     layer.batch_dim = plan.batch_dim
     places = slots(layer)
     batched = [held(place) for place in places]
@@ -137,7 +142,7 @@ def _run_folded(layer: FusedLayer, plan: FoldPlan, b: int, spec: Any, leaves: li
     finally:
         for place, t in zip(places, batched):
             hold(place, t)
-    out_leaves, out_spec = _flatten(out)
+    out_leaves, out_spec = flatten(out)
     if len(out_leaves) != len(plan.out_axes):
         raise FusionError(f"{type(layer).__name__}: called with other outputs than in the dry run")
     for i, leaf in enumerate(out_leaves):
@@ -170,7 +175,7 @@ def _fold(t: torch.Tensor, in_dim: int | None, axis: int | None, b: int, new_axi
 def call_folded(layer: FusedLayer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``layer`` inside a batched call, for all members at once (see the module docstring)."""
     plan = layer.fold_plans.get(layer.training)
-    leaves, spec = _flatten((args, kwargs))
+    leaves, spec = flatten_call(args, kwargs)
     interpreter = retrieve_current_functorch_interpreter()
     level = interpreter.level()
     phys = {i: _unwrap_batched(t, level) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
@@ -186,7 +191,7 @@ def call_folded(layer: FusedLayer, args: tuple[Any, ...], kwargs: dict[str, Any]
     with interpreter.lower():
         out_leaves, out_spec = _run_folded(layer, plan, interpreter.batch_size(), spec, rest, phys, stacked)
     wrapped = [_add_batch_dim(leaf[0], leaf[1], level) if isinstance(leaf, tuple) else leaf for leaf in out_leaves]
-    return _unflatten(wrapped, out_spec)
+    return unflatten(wrapped, out_spec)
 
 
 def _check_plain(layer: FusedLayer) -> None:

@@ -50,16 +50,31 @@ def hold(slot: Slot, t: torch.Tensor) -> None:
     (owner._parameters if is_param else owner._buffers)[name] = t  # type: ignore[assignment]
 
 
+def names(module: nn.Module) -> list[str]:
+    """For each of :func:`slots`, the name ``state_of`` gives its tensor (a tied parameter has
+    the name of its first place, as in ``named_parameters``). Cached: ties never change."""
+    found = module.__dict__.get("_holding_names")
+    if found is None:
+        first: dict[int, str] = {}
+        found = [first.setdefault(id(held(s)), s[3]) for s in slots(module)]
+        module.__dict__["_holding_names"] = found
+    return found
+
+
+def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer ``module`` holds, by name, tied parameters once: what
+    ``named_parameters`` and ``named_buffers`` give, without walking the modules again."""
+    return {name: held(s) for s, name in zip(slots(module), names(module))}
+
+
 @contextmanager
 def holding(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """``module`` holds ``state`` (by the names of ``named_parameters``/``named_buffers``;
-    a tied parameter at every place it is tied) while the block runs. Buffers the block
-    reassigned are copied into the tensors of ``state`` when it ends."""
+    """``module`` holds ``state`` (by the names of :func:`state_of`; a tied parameter at
+    every place it is tied) while the block runs. Buffers the block reassigned are copied
+    into the tensors of ``state`` when it ends."""
     places = slots(module)
     own = [held(s) for s in places]
-    name_of = {id(t): name for name, t in module.named_parameters()}
-    name_of.update((id(t), name) for name, t in module.named_buffers())
-    given = [state[name_of[id(t)]] for t in own]
+    given = [state[name] for name in names(module)]
     for s, t in zip(places, given):
         hold(s, t)
     try:

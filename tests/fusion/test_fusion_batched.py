@@ -396,3 +396,21 @@ def test_buffers_a_forward_reassigns_are_kept_per_member_in_the_loop():
     with pytest.warns(fusion.FusionWarning, match="runs once per member"):
         f = run_equivalence(model, classify((3,)), ref, fused, b=B)
     assert f.module[1].calls.tolist() == [3] * B
+
+
+def test_the_per_member_loop_runs_each_member_with_its_own_dropout():
+    class Gated(nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(8))
+            self.drop = nn.Dropout(p)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.drop(x * self.w)
+            return y if float(y.detach().sum()) >= -1e9 else -y  # vmap cannot run this
+
+    fused = fusion.fuse([nn.Sequential(Gated(p)) for p in (0.0, 1.0, 0.0)])
+    with pytest.warns(fusion.FusionWarning, match="runs once per member"):
+        y = fused(fusion.broadcast(torch.ones(5, 8), 3))
+    assert torch.equal(y[0], torch.ones(5, 8)) and not y[1].any() and torch.equal(y[2], torch.ones(5, 8))
+    assert fused.module[0].plain.drop.p == 0.0  # the plain copy has its own setting back
