@@ -27,6 +27,7 @@ Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm,poi
        python benchmarks/fusion.py --profile resnet:4 --steps 2   # where time goes
        python benchmarks/fusion.py --sizing                       # what array sizing picks, and
                                                                   # the pick vs serial
+       python benchmarks/fusion.py --sizing --choose-paths        # and twin or batched path per layer
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ def profile(name: str, b: int, batch: int, steps: int) -> None:
 
 
 def sizing_report(names: list[str], members: list[int], batch: int, steps: int, rounds: int,
-                  check_steps: int, check_rounds: int, device: torch.device) -> None:
+                  check_steps: int, check_rounds: int, device: torch.device, choose_paths: bool = False) -> None:
     """What ``fusion.sizing.size_array`` picks per model, and how fast the pick runs.
 
     The pick is then measured the way the table is (``measure``: serial vs fused,
@@ -252,7 +253,7 @@ def sizing_report(names: list[str], members: list[int], batch: int, steps: int, 
             print(f"{name:<12}   (size_array takes one input tensor; this model takes {len(x)})", flush=True)
             continue
         res = sizing.size_array(work.factory, x[0], y, device=device, loss_fn=work.loss, candidates=members,
-                                steps=steps, rounds=rounds, cache=False)
+                                steps=steps, rounds=rounds, cache=False, choose_paths=choose_paths)
         curve = "  ".join(f"{b}:{res.speedup[b]:.2f}x" for b in sorted(res.speedup))
         if res.fusion_pays:
             ratio = measure(name, res.best_members, batch, check_steps, check_rounds, ["serial", "fused"],
@@ -262,6 +263,10 @@ def sizing_report(names: list[str], members: list[int], batch: int, steps: int, 
             pick = "1.00x (unf.)"
         print(f"{name:<12}{res.max_members:>6}{res.best_members:>7}{str(res.fusion_pays):>12}{pick:>15}   {curve}",
               flush=True)
+        if choose_paths:
+            ratios = "  ".join(f"{k.rsplit('.', 1)[-1]}:{v:.2f}" for k, v in res.path_ratios.items())
+            print(f"{'':<12}paths at B={res.max_members} (twin time / batched time): {ratios}; "
+                  f"batched: {[k.rsplit('.', 1)[-1] for k in res.batched_layers] or 'none'}", flush=True)
 
 
 def where(device: torch.device) -> str:
@@ -288,6 +293,9 @@ def main() -> None:
     parser.add_argument("--sizing", action="store_true",
                         help="print what fusion.sizing picks per model, and the pick's speed against "
                              "serial (--steps x --rounds), instead of the table")
+    parser.add_argument("--choose-paths", action="store_true",
+                        help="with --sizing: also pick twin or batched path per layer class (size_array's "
+                             "choose_paths) and print the measured ratios")
     parser.add_argument("--sizing-steps", type=int, default=2, help="size_array's steps (its default)")
     parser.add_argument("--sizing-rounds", type=int, default=5, help="size_array's rounds (its default)")
     args = parser.parse_args()
@@ -301,7 +309,7 @@ def main() -> None:
         print(f"torch {torch.__version__}, {where(device)}, batch {args.batch}, malloc: {malloc}; "
               f"pick x serial: {args.steps} steps x {args.rounds} interleaved rounds (best round)")
         sizing_report(args.models.split(","), [int(v) for v in args.members.split(",")], args.batch,
-                      args.sizing_steps, args.sizing_rounds, args.steps, args.rounds, device)
+                      args.sizing_steps, args.sizing_rounds, args.steps, args.rounds, device, args.choose_paths)
         return
     if args.profile:
         name, b = args.profile.split(":")
