@@ -2,6 +2,7 @@
 
     python benchmarks/api.py                      # the base URL: $FUSETUNE_TEST_POSTGRES_URL, else local postgres
     python benchmarks/api.py --trials 20000 --duration 10 --json out.json
+    python benchmarks/api.py --hostile-specs --duration 20   # other tenants' reads while kwargs bombs arrive
 
 It creates a scratch database (dropped at the end) and seeds, with bulk SQL inserts into
 Optuna's and fusetune's tables, a study of ``--trials`` trials with ``--steps`` intermediate
@@ -28,6 +29,14 @@ running array each. It starts the real server (uvicorn, two worker processes, th
    ``--report-interval`` s to one coordinator thread (the scheduling loop's one writer, which
    writes what has arrived together).
    Every poller's view must end equal to the study's full listing.
+
+``--hostile-specs`` runs only this (issue 29, item 2): tenant ``reader`` has 5 studies;
+``--readers`` threads read its study list and ``/healthz`` back to back for ``--duration`` s,
+three times: quiet; while ``--bombers`` threads of tenant ``attacker`` send a small refused
+request (the same load, nothing to check); while they send the sampler kwargs bombs (a
+GridSampler of 2 x 40,000 values, TPE's n_ei_candidates 10^8, population sizes 10^9, NSGA-III's
+reference points, BruteForce over 10^9 integers, GPSampler), each as soon as the last is
+answered. Each bomb must be a 422; the reader's p99 and the bombs' own times are shown.
 
 Nothing asserts a speed: the table says what was measured against the targets.
 """
@@ -435,6 +444,120 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# -- hostile specs (issue 29, item 2) -------------------------------------------------------------
+HOSTILE_TARGETS = {"GET /studies (other tenant), bombs arriving": 200.0, "/healthz, bombs arriving": 200.0,
+                   "the bombs (each a 422)": 1000.0}
+
+
+def hostile_bombs() -> list[tuple[str, bytes]]:
+    """The sampler kwargs bombs of issue 29, named, as request bodies (tests/server/test_hostile_specs.py
+    sends the same and more): before the caps, the grid alone froze the API for minutes."""
+    import optuna
+
+    big_int = json.loads(optuna.distributions.distribution_to_json(optuna.distributions.IntDistribution(1, 10**9)))
+    two = {"metrics": ["accuracy", "n_params"]}
+    bodies = {
+        "grid 2 x 40,000 values (538 KB)": {"sampler": {"name": "GridSampler", "kwargs": {"search_space": {"a": list(range(40_000)), "b": list(range(40_000))}}}},
+        "TPE n_ei_candidates 10^8": {"sampler": {"name": "TPESampler", "kwargs": {"n_ei_candidates": 10**8}}},
+        "NSGA-II population 10^9": {"sampler": {"name": "NSGAIISampler", "kwargs": {"population_size": 10**9}}},
+        "CMA-ES popsize 10^9": {"sampler": {"name": "CmaEsSampler", "kwargs": {"popsize": 10**9}}},
+        "NSGA-III dividing_parameter 10^6": {**two, "sampler": {"name": "NSGAIIISampler", "kwargs": {"dividing_parameter": 10**6}}},
+        "NSGA-III 20,000 reference points": {**two, "sampler": {"name": "NSGAIIISampler", "kwargs": {"reference_points": [[0.5, 0.5]] * 20_000}}},
+        "BruteForce over 10^9 integers": {"search_space": {"hidden": big_int}, "sampler": {"name": "BruteForceSampler"}},
+        "GPSampler": {"sampler": {"name": "GPSampler"}},
+    }
+    return [(name, json.dumps({"workload": "digits-mlp", "n_trials": 4, "epochs": 2, **b}).encode()) for name, b in bodies.items()]
+
+
+def _read_loop(base: str, token: str, stop: threading.Event, out: dict[str, list[float]]) -> None:
+    """Another tenant's reads, back to back: its study list, then /healthz, timed."""
+    import httpx
+
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=120) as http:
+        while not stop.is_set():
+            for path in ("/api/v1/studies", "/healthz"):
+                started = time.perf_counter()
+                http.get(path).raise_for_status()
+                out[path].append(time.perf_counter() - started)
+
+
+def _bomb_loop(base: str, token: str, stop: threading.Event, bombs: list[tuple[str, bytes]], out: list[tuple[str, float, int]]) -> None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=base, headers=headers, timeout=120) as http:
+        while not stop.is_set():
+            for name, body in bombs:
+                started = time.perf_counter()
+                status = http.post("/api/v1/studies", content=body).status_code
+                out.append((name, time.perf_counter() - started, status))
+
+
+def _reads_for(
+    base: str, token: str, readers: int, duration: float, bombers: int = 0, bomber_token: str = "",
+    bodies: list[tuple[str, bytes]] | None = None,
+) -> tuple[dict[str, list[float]], list[tuple[str, float, int]]]:
+    """``readers`` threads read for ``duration`` s while ``bombers`` threads send ``bodies``
+    (default: the bombs), each as soon as the one before is answered."""
+    stop = threading.Event()
+    reads: dict[str, list[float]] = {"/api/v1/studies": [], "/healthz": []}
+    bombs: list[tuple[str, float, int]] = []
+    bodies = bodies or hostile_bombs()
+    threads = [threading.Thread(target=_read_loop, args=(base, token, stop, reads)) for _ in range(readers)]
+    threads += [threading.Thread(target=_bomb_loop, args=(base, bomber_token, stop, bodies, bombs)) for _ in range(bombers)]
+    for thread in threads:
+        thread.start()
+    time.sleep(duration)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    return reads, bombs
+
+
+def hostile_specs(args: argparse.Namespace) -> dict[str, Any]:
+    """Another tenant's reads, quiet and while ``--bombers`` threads send the kwargs bombs."""
+    from fusetune.server import service, tenants
+    from fusetune.server.db import get_sessionmaker, upgrade
+    from fusetune.server.schemas import StudyCreate, TenantCreate
+
+    results: dict[str, Any] = {}
+    with scratch_database(args.base_url, "fusetune_hostile") as url:
+        upgrade(url)
+        with get_sessionmaker(url)() as session:
+            tokens = {name: tenants.create_tenant(session, TenantCreate(name=name)).token.token for name in ("reader", "attacker")}
+            session.commit()
+            for k in range(5):  # the reader's own studies, which its list reads
+                service.create_study(session, url, StudyCreate(workload="digits-mlp", n_trials=8, epochs=2, name=f"reader-{k}"), as_tenant="reader")
+        with api_server(url, args.server_workers) as base:
+            quiet, _ = _reads_for(base, tokens["reader"], args.readers, args.duration)
+            # The same load of refused requests that cost nothing to refuse: what bombs add to it.
+            small = [("n_trials 0", json.dumps({"workload": "digits-mlp", "n_trials": 0}).encode())]
+            plain, refused = _reads_for(base, tokens["reader"], args.readers, args.duration, args.bombers, tokens["attacker"], small)
+            loud, bombs = _reads_for(base, tokens["reader"], args.readers, args.duration, args.bombers, tokens["attacker"])
+    for label, reads in (("quiet", quiet), ("small 422s arriving", plain), ("bombs arriving", loud)):
+        results[f"GET /studies (other tenant), {label}"] = summary(reads["/api/v1/studies"])
+        results[f"/healthz, {label}"] = summary(reads["/healthz"])
+    results["the small 422s"] = {**summary([t for _, t, _ in refused]), "statuses": sorted({s for _, _, s in refused})}
+    results["the bombs (each a 422)"] = {**summary([t for _, t, _ in bombs]), "statuses": sorted({s for _, _, s in bombs})}
+    for name, _ in hostile_bombs():
+        results[f"  {name}"] = summary([t for bomb, t, _ in bombs if bomb == name])
+    return results
+
+
+def hostile_table(results: dict[str, Any]) -> str:
+    lines = [f"{'measure':<48} {'n':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}  target"]
+    lines.append("-" * len(lines[0]) + "-" * 20)
+    for key, value in results.items():
+        if not isinstance(value, dict) or "p99" not in value:
+            continue
+        target = HOSTILE_TARGETS.get(key)
+        verdict = f"p99 <= {target:.0f} ms: {'met' if value['p99'] <= target else 'NOT met'}" if target else ""
+        lines.append(f"{key:<48} {value['n']:>6} {value['p50']:>8.1f} {value['p95']:>8.1f} {value['p99']:>8.1f} {value['max']:>8.1f}  {verdict}")
+    lines.append(f"bomb answers' statuses: {results['the bombs (each a 422)']['statuses']}, the small requests': "
+                 f"{results['the small 422s']['statuses']} (every one must be 422)")
+    return "\n".join(lines)
+
+
 def ensure_aiohttp() -> None:
     """The pollers are aiohttp clients, from the ``bench`` extra."""
     try:
@@ -467,7 +590,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--token", help=argparse.SUPPRESS)
     parser.add_argument("--studies", help=argparse.SUPPRESS)
+    parser.add_argument("--hostile-specs", action="store_true",
+                        help="only the hostile-specs scenario: another tenant's reads, quiet and while the sampler kwargs bombs arrive")
+    parser.add_argument("--readers", type=int, default=4, help="--hostile-specs: reader threads")
+    parser.add_argument("--bombers", type=int, default=2, help="--hostile-specs: bomber threads")
     args = parser.parse_args(argv)
+    if args.hostile_specs:
+        about = machine()
+        print(about, flush=True)
+        results = {**hostile_specs(args), "machine": about}
+        print(hostile_table(results))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
     ensure_aiohttp()
     if args.pollers_child:
         studies = [int(s) for s in args.studies.split(",")]

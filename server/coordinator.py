@@ -24,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 import optuna
+from optuna.storages._rdb import models as rdb
 from optuna.trial import TrialState as OptunaState
 from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy import exc as sa_exc
@@ -61,16 +62,15 @@ from fusetune.server.lifecycle import STOPPING, StudyLifecycle
 from fusetune.server.db.bulk import add_updates, insert_returning, insert_rows
 from fusetune.server.db.revisions import inserting_trials, next_revision, touch_trials
 from fusetune.server.mirror import CreatedStudy, StudyMirror
-from fusetune.server.optuna_specs import make_pruner, make_sampler
+from fusetune.server.optuna_specs import SpecError, SpecLimits, check_stored, make_pruner, make_sampler, service_sampler_kwargs
 from fusetune.server.purge import Purge, StudyPurger
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
 from fusetune.server.service import Conflict, Unavailable
 from fusetune.server.settings import Settings, artifact_uri
 from fusetune.server.signatures import trial_signature
 from fusetune.workers.pool import Event, WorkerHandle, WorkerPool
-from fusetune.workers.optimization import resolve
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
-from fusetune.workers.workloads import Workload, get_workload
+from fusetune.workers.workloads import get_workload
 
 log = logging.getLogger(__name__)
 
@@ -154,12 +154,10 @@ def study_sampler(study: Study, settings: Settings, devices: int = 1) -> optuna.
     the named sampler: the parameters that change ``trial_signature`` (derived from the
     workload's space by that function) are sampled once per group of up to an array's size.
     """
-    kwargs = dict(study.sampler.get("kwargs") or {})
-    sampler = make_sampler(study.sampler["name"], kwargs)
-    if isinstance(sampler, optuna.samplers.TPESampler) and "constant_liar" not in kwargs:
-        # Trials are asked in batches that fill arrays: the constant liar makes TPE
-        # count the running ones, so a batch spreads out instead of repeating itself.
-        sampler = make_sampler(study.sampler["name"], {**kwargs, "constant_liar": True})
+    # Built once, with only the kwargs that are not Optuna's defaults (TPE's constant liar,
+    # which batches of asks need, where Optuna does not default to it).
+    name = study.sampler["name"]
+    sampler = make_sampler(name, service_sampler_kwargs(name, study.sampler.get("kwargs") or {}), SpecLimits.of(settings))
     if not study.sampler.get("fusion", True):
         return sampler
     workload = get_workload(study.workload)
@@ -188,24 +186,6 @@ def training_seed(study: Study) -> int:
     the same asks; otherwise its id."""
     seed = (study.sampler.get("kwargs") or {}).get("seed")
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else study.id
-
-
-def array_memory_model(workload: Workload, params: Mapping[str, Any]) -> tuple[int, int]:
-    """Bytes an array of these params' class needs: ``(base, member)``, bytes(B) = base + B * member.
-
-    The fusion engine's memory model (``fusion.sizing.memory_model``): fused arrays of one and
-    two members take a training step on the CPU on one of the workload's batches, counting
-    parameters, gradients, optimizer state and what autograd saves for backward.
-    """
-    from fusetune.fusion.sizing import memory_model
-
-    x, y = workload.datasets()[0].tensors
-    batch = workload.batch_size_for(params)
-    name = resolve(workload, None, params).optimizer.lower()
-    return memory_model(
-        lambda: workload.build_model(params), x[:batch], y[:batch], loss_fn=workload.loss,
-        optimizer=name if name in ("sgd", "adam", "adamw") else "adam",
-    )
 
 
 def _class_of(trial: Trial) -> str:
@@ -253,6 +233,8 @@ class Coordinator(StudyLifecycle):
         # Largest array of a class on a device type since an array of it ran out of memory there.
         self._oom_caps: dict[tuple[str, str], int] = {}
         self._memory_models: dict[str, tuple[int, int]] = {}  # signature -> (base, member) bytes
+        self._memory_pending: dict[str, tuple[Any, float]] = {}  # signature -> (its measurement on a worker, since)
+        self._specs_usable: set[int] = set()  # studies whose stored sampler and pruner passed the caps
         self._live: dict[int, _Live] = {}  # array id -> what reports need of the arrays running now
         # Measured models·steps/s by (signature, device type) and B: ft_throughput, in memory.
         self._points: dict[tuple[str, str], dict[int, float]] = {}
@@ -343,7 +325,7 @@ class Coordinator(StudyLifecycle):
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
         if self._purger is not None:
             self._purger.stop()
@@ -374,6 +356,8 @@ class Coordinator(StudyLifecycle):
                 (``FUSETUNE_LOOP_CALL_TIMEOUT_S``); ``fn`` is withdrawn and never runs, so
                 a request answered 503 changed nothing. One the loop has begun is waited for.
         """
+        if self._stop.is_set():
+            raise Unavailable("this server's scheduling loop has stopped; another server may schedule now")
         if self._thread is None or not self._thread.is_alive():
             return fn()  # no loop (tests drive step() themselves): this thread is the only one
         future: Future[_T] = Future()
@@ -480,7 +464,7 @@ class Coordinator(StudyLifecycle):
             # One read a round (it runs after every array-epoch): the running studies, and the
             # stopping ones not settled yet (cancelled, failed, deleted: end what can end).
             listed = session.scalars(self._round_studies).all()
-            studies = [s for s in listed if s.state == StudyState.RUNNING]
+            studies = [s for s in listed if s.state == StudyState.RUNNING and self._spec_usable(session, s)]
             for study in [s for s in listed if s.state in STOPPING]:
                 self._settle_study(session, study)
             self._studies_running = len(studies)
@@ -633,6 +617,27 @@ class Coordinator(StudyLifecycle):
             )
 
     # -- asking --------------------------------------------------------------------------------
+    def _spec_usable(self, session: Session, study: Study) -> bool:
+        """Whether the study's stored sampler and pruner pass this process's allow-list and caps
+        (checked once per study, before anything is built from them). One that does not, stored
+        before the caps or under larger ones, ends FAILED with the reason: rebuilt, it would
+        fail or stall every round, everyone's (server/optuna_specs.py check_stored)."""
+        if study.id in self._specs_usable:
+            return True
+        directions = select(func.count()).select_from(rdb.StudyDirectionModel).where(
+            rdb.StudyDirectionModel.study_id == study.optuna_study_id
+        )
+        try:
+            check_stored(
+                study.sampler, study.pruner, limits=SpecLimits.of(self.settings), objectives=lambda: session.scalar(directions),
+                search_space=(lambda: parse_search_space(study.search_space)) if study.search_space else None,
+            )
+        except (SpecError, KeyError, TypeError, ValueError) as exc:  # a spec this version refuses, however stored
+            self._fail(session, study, f"its stored sampler or pruner is refused: {exc}")
+            return False
+        self._specs_usable.add(study.id)
+        return True
+
     def _mirror(self, study: Study) -> StudyMirror:
         """The study's Optuna study in memory, loaded from the database once per process.
 
@@ -642,7 +647,8 @@ class Coordinator(StudyLifecycle):
         if study.id not in self._mirrors:
             sampler = study_sampler(study, self.settings, len(self.pool.workers))
             pruner = (
-                make_pruner(study.pruner["name"], study.pruner.get("kwargs")) if study.pruner else optuna.pruners.NopPruner()
+                make_pruner(study.pruner["name"], study.pruner.get("kwargs"), SpecLimits.of(self.settings))
+                if study.pruner else optuna.pruners.NopPruner()
             )
             with self._created_lock:
                 created, _ = self._created.pop(study.id, (None, 0.0))
@@ -887,6 +893,8 @@ class Coordinator(StudyLifecycle):
                 fits = self.scheduler.throughput.curve(placement.signature, worker.device_type).memory_cap(worker.memory_bytes)
                 cap = max(cap, min(limit, share, fits))
                 cap = min(cap, self._size_cap(session, placement.signature, worker, queue[0].trial_id, waiting))
+                if cap == 0:
+                    continue  # its memory model is measured on a worker first: a later round starts it
                 members = self._trials(session, [waiting.pop(i)[0].id for i in pack(queue, cap)[0].trial_ids])
                 self._start_array(session, study, worker, members)
                 started = True
@@ -1462,21 +1470,51 @@ class Coordinator(StudyLifecycle):
         self, session: Session, cls: str, worker: WorkerHandle, trial_id: int, waiting: Mapping[int, tuple[Any, Study]]
     ) -> int:
         """The most members an array of ``cls`` may have on ``worker``: half of the size that ran out
-        of memory there, and with a memory budget, what the fusion engine's memory model fits in it."""
+        of memory there, and with a memory budget, what the fusion engine's memory model fits in it.
+        0 while that model is being measured on a worker (:meth:`_memory_model`): start none yet."""
         cap = self._oom_caps.get((cls, worker.device_type), self.settings.max_array_size)
         budget = self.settings.worker_memory_bytes
         if budget is None:
             return cap
         trial, study = waiting[trial_id]
-        if trial.signature not in self._memory_models:
-            try:
-                params = session.scalar(select(Trial.params).where(Trial.id == trial_id))
-                self._memory_models[trial.signature] = array_memory_model(get_workload(study.workload), params)
-            except Exception as exc:  # the workload cannot build its array here: its arrays fail on their own
-                log.warning("study %d: no memory model for its arrays: %s", study.id, exc)
-                self._memory_models[trial.signature] = (0, 0)
-        base, member = self._memory_models[trial.signature]
+        model = self._memory_model(session, trial.signature, worker, trial_id, study)
+        if model is None:
+            return 0
+        base, member = model
         return max(1, min(cap, (budget - base) // max(member, 1)))
+
+    def _memory_model(self, session: Session, signature: str, worker: WorkerHandle, trial_id: int, study: Study) -> tuple[int, int] | None:
+        """The memory model of ``signature``'s arrays, ``(base, member)`` bytes, measured on a
+        worker (``workers/memory.py``): a tenant's model is never built or stepped in this
+        process, which is also the API and the Ray driver. None while the measurement runs
+        (asked of ``worker``, idle; polled each round). One that fails or outlasts
+        ``FUSETUNE_RAY_TIMEOUT_S`` leaves the class one member per array, which fits if anything does."""
+        if signature in self._memory_models:
+            return self._memory_models[signature]
+        pending = self._memory_pending.get(signature)
+        if pending is None:
+            params = session.scalar(select(Trial.params).where(Trial.id == trial_id))
+            ref = self.pool.measure_memory(worker, study.workload, params, self._training_of(study))
+            self._memory_pending[signature] = (ref, time.monotonic())
+            return None
+        ref, since = pending
+        try:
+            model = self.pool.measured(ref)
+        except LookupError as exc:  # the worker died: measure again, on another
+            log.warning("study %d: measuring its arrays' memory: %s; again", study.id, exc)
+            del self._memory_pending[signature]
+            return None
+        except RuntimeError as exc:
+            log.warning("study %d: no memory model for its arrays (%s): one member each", study.id, exc)
+            model = (0, self.settings.worker_memory_bytes or 1)
+        if model is None:
+            if time.monotonic() - since < self.settings.ray_timeout_s:
+                return None
+            log.warning("study %d: its arrays' memory model took over %.0f s: one member each", study.id, self.settings.ray_timeout_s)
+            model = (0, self.settings.worker_memory_bytes or 1)
+        del self._memory_pending[signature]
+        self._memory_models[signature] = model
+        return model
 
     def _load_throughput(self) -> None:
         """The speeds measured by earlier arrays, also by an earlier process: no new dry runs."""

@@ -16,14 +16,16 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 
 from fusetune.server.db import ArrayState, StudyState, TrialState
-from fusetune.server.optuna_specs import PRUNERS, SAMPLERS, SpecError, make_pruner, make_sampler
+from fusetune.server.distributions import SearchSpaceEntry
+from fusetune.server.optuna_specs import (
+    PRUNERS, SAMPLERS, SpecError, check_for_study, check_pruner, check_sampler, default_limits, sampler_class,
+)
 from fusetune.workers.optimization import (
     LR_SCHEDULERS,
     OPTIMIZERS,
@@ -80,38 +82,46 @@ class ComponentSpec(BaseModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
-def _spec_validators(table: dict[str, Any], make: Any, kind: str) -> tuple[Any, Any]:
-    def known(cls: type, name: str) -> str:
-        if name not in table:
-            names = ", ".join(sorted(k for k in table if k[0].isupper()))
-            raise ValueError(f"unknown {kind} {name!r}; use one of: {names}")
-        return name
+def _echo(value: Any) -> Any:
+    """A refused kwarg's value as a 422 shows it: a list or object is summarised, not echoed
+    (a refused grid is the very thing that is too large)."""
+    if isinstance(value, (list, dict)):
+        return f"{type(value).__name__} of {len(value)} entries"
+    return f"{value[:77]}..." if isinstance(value, str) and len(value) > 80 else value
 
-    def constructible(cls: type, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if "name" in info.data:  # otherwise the name already failed
-            try:
-                make(info.data["name"], kwargs)
-            except SpecError as exc:
-                raise ValueError(str(exc)) from exc
-        return kwargs
 
-    return field_validator("name")(classmethod(known)), field_validator("kwargs")(classmethod(constructible))
+def _spec_checked(check: Any, title: str) -> Any:
+    """The model validator of a sampler or pruner spec: allowed class, kwargs it takes, of their
+    types and within the ``FUSETUNE_SAMPLER_*`` caps (``server/optuna_specs.py``). Nothing is
+    built here, on the event loop: the service builds the spec under a deadline."""
+
+    def checked(self: ComponentSpec) -> ComponentSpec:
+        try:
+            check(self.name, self.kwargs, default_limits())
+        except SpecError as exc:
+            value = self.name if exc.loc == ("name",) else self.kwargs.get(exc.loc[-1]) if len(exc.loc) > 1 else None
+            raise _field_error(title, exc.loc, str(exc), _echo(value)) from exc
+        return self
+
+    return model_validator(mode="after")(checked)
 
 
 class SamplerSpec(ComponentSpec):
-    """An Optuna sampler, e.g. ``{"name": "TPESampler", "kwargs": {"seed": 0}}``."""
+    """An Optuna sampler from the service's allow-list, e.g. ``{"name": "TPESampler", "kwargs":
+    {"seed": 0}}``; the kwargs that size its work are capped (``FUSETUNE_SAMPLER_MAX_*``)."""
 
     name: str = Field(examples=["TPESampler", "random"], json_schema_extra={"enum": sorted(SAMPLERS)})
 
-    _known, _constructible = _spec_validators(SAMPLERS, make_sampler, "sampler")
+    _allowed = _spec_checked(check_sampler, "SamplerSpec")
 
 
 class PrunerSpec(ComponentSpec):
-    """An Optuna pruner, e.g. ``{"name": "MedianPruner", "kwargs": {"n_warmup_steps": 2}}``."""
+    """An Optuna pruner from the service's allow-list, e.g. ``{"name": "MedianPruner", "kwargs":
+    {"n_warmup_steps": 2}}``."""
 
     name: str = Field(examples=["MedianPruner", "hyperband"], json_schema_extra={"enum": sorted(PRUNERS)})
 
-    _known, _constructible = _spec_validators(PRUNERS, make_pruner, "pruner")
+    _allowed = _spec_checked(check_pruner, "PrunerSpec")
 
 
 #: The Optuna study system attr that holds a study's training settings (``TrainingSpec.to_json``).
@@ -243,8 +253,11 @@ class StudyCreate(BaseModel):
         description="The tenant the study belongs to. A tenant's token: its own (the default). "
         "The admin's: any tenant; default `default`.",
     )
-    search_space: Annotated[dict[str, str | dict[str, Any]] | None, NoNulKeys] = Field(
-        None, json_schema_extra={"minProperties": 1, **NO_NUL_KEYS}
+    search_space: Annotated[dict[str, SearchSpaceEntry] | None, NoNulKeys] = Field(
+        None, json_schema_extra={"minProperties": 1, **NO_NUL_KEYS},
+        description="Each parameter's Optuna distribution JSON (server/distributions.py), as an object or a string "
+        "holding it. Beyond its schema Optuna requires low <= high, a positive low on a log scale (at least 1 for "
+        "integers) and no step with log: a 422 naming the parameter otherwise.",
     )
     sampler: SamplerSpec = Field(default_factory=lambda: SamplerSpec(name="TPESampler"))
     pruner: PrunerSpec | None = None
@@ -361,6 +374,22 @@ class StudyCreate(BaseModel):
                         check(choice)
                     except OptionError as exc:
                         raise _field_error(title, ("search_space", param), str(exc), choice) from exc
+        return self
+
+    @model_validator(mode="after")
+    def _sampler_fits_the_study(self) -> StudyCreate:
+        """The sampler's caps that depend on the study too: BruteForceSampler's walk of the search
+        space, CMA-ES's covariance over it, NSGA-III's reference points among the objectives."""
+        objectives = max(len(self.metrics or [None]), len(self.directions or ()))
+        space: Any = None
+        if self.search_space is not None:
+            # Only BruteForceSampler reads the distributions (parsed here: it alone needs them).
+            brute = sampler_class(self.sampler.name) == "BruteForceSampler"
+            space = parse_search_space(self.search_space) if brute else self.search_space
+        try:
+            check_for_study(self.sampler.name, self.sampler.kwargs, space, objectives, default_limits())
+        except SpecError as exc:
+            raise _field_error("StudyCreate", exc.loc, str(exc), None) from exc
         return self
 
     def training_spec(self) -> TrainingSpec:

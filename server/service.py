@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
 from fusetune.server.db.engine import lock_for_write
-from fusetune.server.optuna_specs import make_sampler
+from fusetune.server.optuna_specs import SpecError, build_for_study, default_limits
 from fusetune.server.mirror import CreatedStudy
 from fusetune.server.schemas import FAILURE_ATTR, TRAINING_ATTR, ArrayOut, BestTrial, PruningDecision, StudyCreate, StudyOut, StudyUpdate, TrialEnqueue, TrialOut
 from fusetune.workers.spec import TrainingSpec
@@ -148,7 +148,10 @@ def create_study(
         directions = request.objective_directions(workload)
     except KeyError as exc:  # a module-path workload: the schema could not check its metrics
         raise Invalid("metrics", str(exc.args[0])) from exc
-    make_sampler(request.sampler.name, request.sampler.kwargs)  # its kwargs are checked here (SpecError: a 422)
+    try:  # built as the loop will, off the event loop (this route runs on a thread), under a deadline
+        build_for_study(request.sampler.model_dump(), request.pruner.model_dump() if request.pruner else None, default_limits())
+    except SpecError as exc:
+        raise Invalid(exc.loc[0], str(exc)) from exc
     get_optuna_storage(url)  # Optuna's tables exist (its storage creates them once per process)
     # The Optuna study's rows (name, directions, system attrs) go into this transaction with
     # fusetune's, through Optuna's table models as the mirror writes trials: both or neither

@@ -209,6 +209,60 @@ class Settings(BaseSettings):
         description="An event stream closes after this long; EventSource clients reconnect with "
         "Last-Event-ID and lose nothing (it frees connections behind proxies that keep them forever).",
     )
+    events_max_streams_per_tenant: int = Field(
+        32,
+        ge=1,
+        le=100_000,
+        description="Most event streams one tenant (and the admin, counted apart) holds open at once in one API "
+        "process; one more is a 429 with Retry-After naming this limit.",
+    )
+    events_auth_recheck_s: float = Field(
+        2.0,
+        gt=0,
+        le=300,
+        description="How often an open event stream checks that its token still authenticates: a revoked token's "
+        "stream ends within this (one indexed read per stream each time).",
+    )
+    # A study's sampler runs on the scheduling thread every study shares, in the process that
+    # is also the API and the Ray driver: the kwargs that size its work are capped
+    # (server/optuna_specs.py), and a request over a cap is a 422 naming the kwarg and its limit.
+    sampler_max_grid_points: int = Field(
+        100_000,
+        ge=1,
+        description="Most points of a GridSampler grid (the product of its value lists' lengths, which "
+        "GridSampler builds and shuffles) and most combinations BruteForceSampler walks in a request's "
+        "search space. 100,000 is n_trials' own limit; 10^6 points take ~80 MB and 0.2 s to build.",
+    )
+    sampler_max_ei_candidates: int = Field(
+        256,
+        ge=1,
+        description="Largest TPESampler n_ei_candidates (Optuna's default: 24). Each ask's time grows with "
+        "it: at 1,000 trials x 10 params, 17 ms at 24, 78 ms at 256, 1.4 s at 4,096 (docs/benchmarks.md).",
+    )
+    sampler_max_population: int = Field(
+        1_000,
+        ge=2,
+        description="Largest NSGAIISampler/NSGAIIISampler population_size and CmaEsSampler popsize.",
+    )
+    sampler_max_reference_points: int = Field(
+        10_000,
+        ge=1,
+        description="Most NSGAIIISampler reference points: those a request lists, or those its "
+        "dividing_parameter makes among its objectives (C(objectives + p - 1, p), each built by Optuna).",
+    )
+    sampler_max_cma_dimensions: int = Field(
+        100,
+        ge=1,
+        description="Most parameters in the search space of a study with a full-covariance CmaEsSampler "
+        "(a d x d covariance, decomposed each generation: 63 ms an ask at 100, 350 ms at 200); "
+        "use_separable_cma is linear in them and not capped.",
+    )
+    spec_build_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Longest a new study's sampler and pruner may take to build (off the event loop, once "
+        "their kwargs passed the caps); past it the request is a 422.",
+    )
 
     @field_validator("admin_token", "metrics_token", mode="before")
     @classmethod

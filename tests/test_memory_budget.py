@@ -1,6 +1,6 @@
 """On CPU workers, arrays respect a memory budget (FUSETUNE_WORKER_MEMORY_BYTES) through the
 fusion engine's memory model: bytes(B) = base + B * member, measured from fused arrays of one
-and two members (fusion.sizing.memory_model)."""
+and two members (fusion.sizing.memory_model), on a worker: never in the server's process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from fusetune.server.coordinator import array_memory_model
+from fusetune.fusion import sizing
+from fusetune.workers.memory import array_memory_model
 from fusetune.workers.workloads import get_workload
 from tests.conftest import members_at_once, running_service
 
@@ -17,9 +18,13 @@ pytestmark = pytest.mark.slow
 D = optuna.distributions
 
 
-def test_arrays_fit_the_memory_budget(ray_cluster: str, tmp_path: Path) -> None:
+def test_arrays_fit_the_memory_budget(ray_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     params = {"hidden": 64, "lr": 0.05, "momentum": 0.0, "weight_decay": 1e-4}
     base, member = array_memory_model(get_workload("digits-mlp"), params)
+    # The service runs in this process (its workers in Ray's): from here on, a memory model
+    # measured here would be the server training a step of a tenant's model.
+    in_server: list[object] = []
+    monkeypatch.setattr(sizing, "memory_model", lambda *args, **kwargs: in_server.append(args) or (0, 0))
     assert base > 0 and member > 0
     budget = base + int(2.5 * member)  # two members fit, three do not
     space = {
@@ -39,3 +44,4 @@ def test_arrays_fit_the_memory_budget(ray_cluster: str, tmp_path: Path) -> None:
     # As many at once as the budget allows, never more (an array may go on with successors).
     assert max(widest.values()) == 2
     assert all(base + b * member <= budget for b in widest.values())
+    assert in_server == []  # measured on the worker
