@@ -48,6 +48,7 @@ def install(app: FastAPI) -> None:
     """Add the shared rules, the event and metrics routes to ``app`` (its settings in ``app.state``)."""
     settings = app.state.settings
     app.state.metrics = Metrics(app)
+    app.state.event_streams = events.StreamSlots(settings.events_max_streams_per_tenant)
     # The last middleware added runs first: every request is timed, refused ones included.
     app.add_middleware(RequestBodyLimits, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, fastapi=app)
