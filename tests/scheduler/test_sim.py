@@ -85,3 +85,21 @@ def test_cli_prints_one_row_per_policy(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(argparse.ArgumentTypeError):
         parse_cluster("tpu=3")
     assert "| policy |" in format_table([])
+
+
+def test_fusetune_doubles_fifo_fairly_on_the_philly_day_at_36_36_36() -> None:
+    """docs/scheduling.md's claim on the 24 h Philly slice, 36 K80 + 36 P100 + 36 V100:
+    fusetune's normalised throughput is at least 2x fifo's with every tenant at or above
+    its equal share over time, envy at most 0.05 and Jain at least 0.9.  Deterministic
+    (seeded trace mapping and device order); one to three minutes on two shared cores.  On the K80-heavy
+    60:30:18 it is 1.93x (documented, not asserted)."""
+    calib = read_job_type_curves(DATA)
+    reference = {j: calib.curves[(j, "p100")].solo_steps_per_s for j in calib.job_types}
+    studies, trials = philly_studies(read_philly_jobs(DATA / "philly_jobs.csv"), calib.job_types, reference)
+    cluster = {"k80": 36, "p100": 36, "v100": 36}
+    fifo = simulate("fifo", studies, trials, calib.curves, cluster, GPU_MEMORY_BYTES)
+    fusetune = simulate("fusetune", studies, trials, calib.curves, cluster, GPU_MEMORY_BYTES)
+    assert fusetune.norm_throughput >= 2.0 * fifo.norm_throughput
+    assert fusetune.si_min >= 1.0 - 1e-9
+    assert fusetune.max_envy <= 0.05
+    assert fusetune.jain >= 0.9
