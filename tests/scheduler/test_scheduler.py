@@ -98,7 +98,7 @@ def _advance(trials: list[PendingTrial], decision: Decision) -> list[PendingTria
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(inst=instances(), policy=st.sampled_from(("fifo", "fusion-greedy", *FAIR)))
+@given(inst=instances(), policy=st.sampled_from(("fifo", "fusion-greedy", "gavel-paper", *FAIR)))
 def test_invariants_and_no_starvation(inst, policy: str) -> None:
     trials, devices, tenants, model = inst
     sched = make_scheduler(policy, model, max_members=6, lease_seconds=2.0)
@@ -252,7 +252,7 @@ def test_errors() -> None:
         make_scheduler("fifo").decide(0.0, [PendingTrial(1, "s"), PendingTrial(1, "s")], [Device("d", "cpu")], [])
 
 
-@pytest.mark.parametrize("policy", ["fifo", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"])
+@pytest.mark.parametrize("policy", ["fifo", "gavel-paper", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"])
 def test_degenerate_rounds(policy: str) -> None:
     sched = make_scheduler(policy)
     assert sched.decide(0.0, [], [Device("a", "cpu")], [Tenant("x")]).placements == ()
@@ -305,3 +305,22 @@ def test_one_tenant_with_demand_gets_the_best_allocation_of_the_whole_cluster(pr
     assert np.all(allocation.devices.sum(axis=0) <= problem.capacity + 1e-6)
     held = (allocation.devices * allocation.members).sum(axis=1)
     assert np.all(held <= problem.demand + 1e-6)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances())
+def test_without_backfill_placements_follow_the_allocation_alone(inst) -> None:
+    """backfill=False (Gavel's LP as a policy): no (class, type) gets more arrays than the
+    fractional allocation rounded up; devices it leaves free stay free."""
+    trials, devices, tenants, model = inst
+    sched = make_scheduler("gavel-paper", model, backfill=False)
+    decision = sched.decide(0.0, trials, devices, tenants)
+    if decision.allocation is None:
+        return
+    row = {c: i for i, c in enumerate(decision.classes)}
+    col = {g: i for i, g in enumerate(decision.device_types)}
+    kind = {d.device_id: d.device_type for d in devices}
+    count = np.zeros_like(decision.allocation.devices)
+    for p in decision.placements:
+        count[row[(p.tenant, p.signature)], col[kind[p.device_id]]] += 1
+    assert np.all(count <= np.ceil(decision.allocation.devices - 1e-3) + 1e-9)
