@@ -30,6 +30,11 @@ running array each. It starts the real server (uvicorn, two worker processes, th
    writes what has arrived together).
    Every poller's view must end equal to the study's full listing.
 
+``--delete`` runs only the delete scenario (``benchmarks/_delete.py``, issue 29, item 3): a study
+of ``--trials`` x ``--delete-steps`` removed while a neighbour's array reports every
+``--neighbour-interval`` s; the delete's turn of the loop, the purge's length, the neighbour's
+gaps, and the same study removed by Optuna's cascade as before.
+
 ``--hostile-specs`` runs only this (issue 29, item 2): tenant ``reader`` has 5 studies;
 ``--readers`` threads read its study list and ``/healthz`` back to back for ``--duration`` s,
 three times: quiet; while ``--bombers`` threads of tenant ``attacker`` send a small refused
@@ -592,9 +597,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--studies", help=argparse.SUPPRESS)
     parser.add_argument("--hostile-specs", action="store_true",
                         help="only the hostile-specs scenario: another tenant's reads, quiet and while the sampler kwargs bombs arrive")
+    parser.add_argument("--delete", action="store_true",
+                        help="only the delete scenario: a study of --trials x --delete-steps removed while a neighbour's array reports")
+    parser.add_argument("--delete-steps", type=int, default=20, help="--delete: epochs (intermediate values) of each trial")
+    parser.add_argument("--cascade-trials", type=int, default=10_000, help="--delete: trials of the study removed the old way")
+    parser.add_argument("--neighbour-interval", type=float, default=0.05, help="--delete: seconds between the neighbour's epochs")
     parser.add_argument("--readers", type=int, default=4, help="--hostile-specs: reader threads")
     parser.add_argument("--bombers", type=int, default=2, help="--hostile-specs: bomber threads")
     args = parser.parse_args(argv)
+    if args.delete:
+        from benchmarks._delete import delete_scenario, delete_table
+
+        about = machine()
+        print(about, flush=True)
+        results = {**delete_scenario(args), "machine": about}
+        print(delete_table(results))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
     if args.hostile_specs:
         about = machine()
         print(about, flush=True)

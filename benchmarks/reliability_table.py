@@ -20,8 +20,8 @@ BEGIN, END = "<!-- matrix -->", "<!-- /matrix -->"
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| fault | trials × epochs | points lost | points duplicated | epochs retrained | time to recover | resumed at epoch | measured by |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
+        "| fault | trials × epochs | points lost | points duplicated | trials failed | epochs retrained | time to recover | resumed at epoch | measured by |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in rows:
         resumed = r.get("resumed_at_epochs") or {}
@@ -29,7 +29,7 @@ def table(rows: list[dict]) -> str:
         recover = f"{r['recover_s']:.1f} s" if r.get("recover_s") is not None else "—"
         lines.append(
             f"| {r['fault']} | {r.get('trials', '?')} × {r.get('epochs', '?')} | {r['points_lost']} | {r['points_duplicated']} "
-            f"| {r['epochs_retrained']} | {recover} | {at} | {r.get('how', '')} |"
+            f"| {r.get('trials_failed', '—')} | {r['epochs_retrained']} | {recover} | {at} | {r.get('how', '')} |"
         )
     return "\n".join(lines)
 
