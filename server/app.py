@@ -3,35 +3,21 @@
 from __future__ import annotations
 
 import gc
-
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import ray
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from fusetune.fusion import import_torch_dynamo
-from fusetune.server import service
 from fusetune.server.api import health_router, router, tenants_router
+from fusetune.server.api.errors import answer_refusals
 from fusetune.server.api.http import install as install_http
-from fusetune.server.coordinator import Coordinator
 from fusetune.server.dashboard import mount_dashboard
 from fusetune.server.db import get_optuna_storage, get_read_sessionmaker, get_sessionmaker, upgrade
 from fusetune.server.leader import Leadership
 from fusetune.server.settings import Settings, get_settings
-from fusetune.workers.pool import WorkerPool
 
-
-def make_pool(settings: Settings) -> WorkerPool:
-    """The worker pool as the settings configure it (CPU workers, Ray timeouts, heartbeats)."""
-    return WorkerPool(
-        cpu_workers=settings.cpu_workers,
-        timeout_s=settings.ray_timeout_s,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        heartbeat_timeout_s=settings.heartbeat_timeout_s,
-    )
 
 log = logging.getLogger(__name__)
 
@@ -88,23 +74,6 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
     app.include_router(health_router)
     mount_dashboard(app)  # the web dashboard at /, and the routes it reads
     install_http(app)  # body limits, JSON-only writes, 503s, 405's Allow, events, /metrics, OpenAPI errors
-
-    @app.exception_handler(service.NotFound)
-    async def not_found(_: Request, exc: service.NotFound) -> JSONResponse:
-        return JSONResponse(status_code=404, content={"detail": str(exc)})
-
-    @app.exception_handler(service.Conflict)
-    async def conflict(_: Request, exc: service.Conflict) -> JSONResponse:
-        detail = [{"loc": [exc.where, exc.field], "msg": str(exc), "type": "conflict"}]
-        return JSONResponse(status_code=409, content={"detail": detail})
-
-    @app.exception_handler(service.Unavailable)
-    async def unavailable(_: Request, exc: service.Unavailable) -> JSONResponse:
-        return JSONResponse(status_code=503, content={"detail": str(exc)})
-
-    @app.exception_handler(service.Invalid)
-    async def invalid(_: Request, exc: service.Invalid) -> JSONResponse:
-        detail = [{"loc": [exc.where, exc.field], "msg": str(exc), "type": "value_error"}]
-        return JSONResponse(status_code=422, content={"detail": detail})
+    answer_refusals(app)  # NotFound 404, Conflict 409, Invalid 422, Unavailable 503
 
     return app

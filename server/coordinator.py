@@ -24,7 +24,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 import optuna
-from optuna.storages._rdb import models as rdb
 from optuna.trial import TrialState as OptunaState
 from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy import exc as sa_exc
@@ -56,7 +55,7 @@ from fusetune.server.db import (
     get_loop_sessionmaker,
     utcnow,
 )
-from fusetune.server import events
+from fusetune.server import events, reads
 from fusetune.server.fencing import StaleScheduler, fence, take_epoch
 from fusetune.server.lifecycle import STOPPING, StudyLifecycle
 from fusetune.server.db.bulk import add_updates, insert_returning, insert_rows
@@ -65,7 +64,7 @@ from fusetune.server.mirror import CreatedStudy, StudyMirror
 from fusetune.server.optuna_specs import SpecError, SpecLimits, check_stored, make_pruner, make_sampler, service_sampler_kwargs
 from fusetune.server.purge import Purge, StudyPurger
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
-from fusetune.server.service import Conflict, Unavailable
+from fusetune.server.errors import Conflict, Unavailable
 from fusetune.server.settings import Settings, artifact_uri
 from fusetune.server.signatures import trial_signature
 from fusetune.workers.pool import Event, WorkerHandle, WorkerPool
@@ -624,12 +623,9 @@ class Coordinator(StudyLifecycle):
         fail or stall every round, everyone's (server/optuna_specs.py check_stored)."""
         if study.id in self._specs_usable:
             return True
-        directions = select(func.count()).select_from(rdb.StudyDirectionModel).where(
-            rdb.StudyDirectionModel.study_id == study.optuna_study_id
-        )
         try:
             check_stored(
-                study.sampler, study.pruner, limits=SpecLimits.of(self.settings), objectives=lambda: session.scalar(directions),
+                study.sampler, study.pruner, limits=SpecLimits.of(self.settings), objectives=lambda: reads.objectives(session, study.optuna_study_id),
                 search_space=(lambda: parse_search_space(study.search_space)) if study.search_space else None,
             )
         except (SpecError, KeyError, TypeError, ValueError) as exc:  # a spec this version refuses, however stored

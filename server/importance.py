@@ -23,7 +23,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from fusetune.server.db import Trial, TrialState, get_optuna_storage
-from fusetune.server.service import Invalid, _study
+from fusetune.server.errors import Invalid
+from fusetune.server.service import _study
 
 Evaluator = Literal["fanova", "mdi", "ped_anova"]
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from fusetune.server.settings import Settings
+    from fusetune.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,6 @@ class Leadership:
     def _lead(self) -> None:
         import ray
 
-        from fusetune.server.app import make_pool
         from fusetune.server.coordinator import Coordinator
 
         with self._guard:
@@ -214,6 +214,18 @@ class Leadership:
             return True
         except Exception:
             return False
+
+
+def make_pool(settings: Settings) -> WorkerPool:
+    """The worker pool as the settings configure it (CPU workers, Ray timeouts, heartbeats)."""
+    from fusetune.workers.pool import WorkerPool
+
+    return WorkerPool(
+        cpu_workers=settings.cpu_workers,
+        timeout_s=settings.ray_timeout_s,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        heartbeat_timeout_s=settings.heartbeat_timeout_s,
+    )
 
 
 def describe(app: Any) -> str:

@@ -27,25 +27,24 @@ its artifact folder).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import optuna
-from optuna.storages._rdb import models as rdb
 from optuna.trial import TrialState as OptunaState
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from fusetune.server import events
-from fusetune.server.db import Array, ArrayMember, Study, StudyState, Tenant, Trial, TrialState, utcnow
+from fusetune.server.db import Study, StudyState, Tenant, Trial, TrialState, utcnow
 from fusetune.server import mirror
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.purge import Purge
 from fusetune.server.schemas import FAILURE_ATTR
-from fusetune.server.service import Conflict, NotFound, check_running_quota, check_trials_quota
+from fusetune.server.errors import Conflict, NotFound
+from fusetune.server.service import check_running_quota, check_trials_quota
 from fusetune.server.settings import artifact_uri
 from fusetune.workers.spec import EpochReply, EpochReport
 from fusetune.workers.store import get_store
@@ -320,10 +319,7 @@ class StudyLifecycle:
 
     @staticmethod
     def _write_failure(session: Session, study: Study, reason: str) -> None:
-        table = rdb.StudySystemAttributeModel.__table__
-        where = (table.c.study_id == study.optuna_study_id, table.c.key == FAILURE_ATTR)
-        session.execute(delete(table).where(*where))
-        session.execute(insert(table).values(study_id=study.optuna_study_id, key=FAILURE_ATTR, value_json=json.dumps(reason)))
+        mirror.set_study_system_attr(session, study.optuna_study_id, FAILURE_ATTR, reason)
 
     def _end_reason(self, study: Study) -> str:
         """What a trial ended by its study's state says (its ``error``)."""

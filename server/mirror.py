@@ -15,9 +15,11 @@ The database stays the truth. A mirror is loaded from it (``StudyMirror(storage,
 when the service first drives a study, also after a restart, and ``optuna.load_study`` or
 optuna-dashboard read the same trials, params, intermediate values, attributes and values.
 
-Optuna's table models (``optuna.storages._rdb.models``) are private API; they have kept their
-shape since Optuna 3.0, and ``tests/server/test_mirror.py`` reads every write back through
-Optuna's own RDB storage. So is ``optuna.study._tell._tell_with_warning``, ``Study.tell``
+Optuna's table models are private API (``server/db/optuna_tables.py``, their one importer);
+they have kept their shape since Optuna 3.0, and ``tests/server/test_mirror.py`` reads every
+write back through Optuna's own RDB storage. This module is their one writer: a new study's
+rows (:func:`create_study_rows`), its trials (:class:`StudyMirror`), a failed study's reason
+(:func:`set_study_system_attr`) and a deleted study's removal. So is ``optuna.study._tell._tell_with_warning``, ``Study.tell``
 without the deep copy of the trial it returns (the mirror drops it; an array's last epoch
 tells all its members, and the copies cost 5 ms of it).
 """
@@ -34,16 +36,16 @@ from typing import Any
 
 import optuna
 from optuna.distributions import BaseDistribution, distribution_to_json
-from optuna.storages._rdb import models as rdb
+from fusetune.server.db import optuna_tables as rdb
 from optuna.study._tell import _tell_with_warning
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState as OptunaState
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from fusetune.server.db.bulk import add_rows, add_updates, insert_returning, insert_rows, write_pending
 
-__all__ = ["AskedTrial", "CreatedStudy", "StudyMirror"]
+__all__ = ["AskedTrial", "CreatedStudy", "StudyMirror", "create_study_rows", "set_study_system_attr"]
 
 
 @dataclass(frozen=True)
@@ -413,3 +415,33 @@ def delete_study(session: Session, study_id: int) -> None:
     """Remove an Optuna study whose trials are gone, with its directions and attrs."""
     for model in (*_STUDY_PARTS, rdb.StudyModel):
         session.execute(delete(model).where(model.study_id == study_id))
+
+
+# -- a study's own rows ---------------------------------------------------------------------------
+def create_study_rows(
+    session: Session, name: str, directions: Sequence[optuna.study.StudyDirection], system_attrs: Mapping[str, Any]
+) -> CreatedStudy:
+    """An Optuna study's rows (name, directions, system attrs), in the caller's transaction:
+    what ``optuna.create_study`` writes, in fusetune's transaction instead of three of its own.
+
+    Raises:
+        sqlalchemy.exc.IntegrityError: an Optuna study of this name exists.
+    """
+    studies = rdb.StudyModel.__table__
+    study_id = session.execute(insert(studies).returning(studies.c.study_id), {"study_name": name}).scalar_one()
+    session.execute(insert(rdb.StudyDirectionModel.__table__), [
+        {"study_id": study_id, "objective": k, "direction": d} for k, d in enumerate(directions)
+    ])
+    if system_attrs:
+        session.execute(insert(rdb.StudySystemAttributeModel.__table__), [
+            {"study_id": study_id, "key": k, "value_json": json.dumps(v)} for k, v in system_attrs.items()
+        ])
+    return CreatedStudy(study_id, name, tuple(directions), dict(system_attrs))
+
+
+def set_study_system_attr(session: Session, study_id: int, key: str, value: Any) -> None:
+    """Optuna's ``set_study_system_attr``, in the caller's transaction."""
+    table = rdb.StudySystemAttributeModel.__table__
+    where = (table.c.study_id == study_id, table.c.key == key)
+    session.execute(delete(table).where(*where))
+    session.execute(insert(table).values(study_id=study_id, key=key, value_json=json.dumps(value)))

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import optuna
-from optuna.storages._rdb import models as rdb
+from fusetune.server.db import optuna_tables as rdb
 from optuna.study import StudyDirection
 from sqlalchemy import BigInteger, ColumnElement, Float, Integer, Select, String, any_, bindparam, case, cast, func, literal, null, select, tuple_, union_all
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -432,3 +432,22 @@ def arrays_page(session: Session, query: Select[tuple[Array]], sort: str, page: 
     query = query.options(selectinload(Array.members), joinedload(Array.worker))
     found = id_page(session, query, Array.id, sort, page)
     return Page([ArrayOut.model_validate(a) for a in found.items], found.next)
+
+
+def optuna_study_named(session: Session, name: str) -> int | None:
+    """The id of the Optuna study named ``name`` (None: none is)."""
+    return session.scalar(select(rdb.StudyModel.study_id).where(rdb.StudyModel.study_name == name))
+
+
+def objectives(session: Session, optuna_study_id: int) -> int:
+    """How many objectives (directions) the Optuna study has."""
+    return session.scalar(
+        select(func.count()).select_from(rdb.StudyDirectionModel).where(rdb.StudyDirectionModel.study_id == optuna_study_id)
+    ) or 0
+
+
+def trial_user_attr(session: Session, optuna_trial_id: int, key: str) -> Any:
+    """One user attr of an Optuna trial, decoded (None: it has none of that key)."""
+    model = rdb.TrialUserAttributeModel
+    stored = session.scalar(select(model.value_json).where(model.trial_id == optuna_trial_id, model.key == key))
+    return json.loads(stored) if stored is not None else None

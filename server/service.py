@@ -13,20 +13,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
-from optuna.storages._rdb import models as rdb
 from optuna.study.study import _SYSTEM_ATTR_METRIC_NAMES
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
 from fusetune.server.db.engine import lock_for_write
 from fusetune.server.optuna_specs import SpecError, build_for_study, default_limits
-from fusetune.server.mirror import CreatedStudy
-from fusetune.server.schemas import FAILURE_ATTR, TRAINING_ATTR, ArrayOut, BestTrial, PruningDecision, StudyCreate, StudyOut, StudyUpdate, TrialEnqueue, TrialOut
+from fusetune.server.mirror import CreatedStudy, create_study_rows
+from fusetune.server.schemas import FAILURE_ATTR, TRAINING_ATTR, ArrayOut, PruningDecision, StudyCreate, StudyOut, StudyUpdate, TrialEnqueue, TrialOut
 from fusetune.workers.spec import TrainingSpec
 from fusetune.workers.workloads import available_workloads, UnknownWorkloadError, get_workload
 from fusetune.server import reads
+from fusetune.server.errors import Conflict, Invalid, NotFound, Unavailable
 from fusetune.server.pagination import Page, PageParams
 
 if TYPE_CHECKING:
@@ -36,37 +36,6 @@ if TYPE_CHECKING:
 # the caller acts for (None: the admin, or an operator calling in-process, who see every
 # tenant's). Another tenant's resource is NotFound, with the message a missing one gets, so
 # ids leak nothing.
-
-
-class NotFound(LookupError):
-    """The named resource does not exist."""
-
-
-class Conflict(ValueError):
-    """The request clashes with existing state; ``field`` names the clashing field.
-
-    ``where`` is the first part of the error's ``loc``: ``body`` for a field of the request,
-    ``tenant`` for a quota of the caller's tenant.
-    """
-
-    def __init__(self, field: str, message: str, *, where: str = "body") -> None:
-        super().__init__(message)
-        self.field = field
-        self.where = where
-
-
-class Unavailable(RuntimeError):
-    """The service cannot do this now (a 503): its scheduling loop is not running."""
-
-
-class Invalid(ValueError):
-    """Bad input that only the service can tell (it takes the database or the settings): a 422
-    whose ``loc`` is ``[where, field]``."""
-
-    def __init__(self, field: str, message: str, *, where: str = "body") -> None:
-        super().__init__(message)
-        self.field = field
-        self.where = where
 
 
 def _tenant_for_study(session: Session, request: StudyCreate, as_tenant: str | None) -> Tenant:
@@ -142,7 +111,7 @@ def create_study(
     name = request.name or f"{request.workload}-{uuid.uuid4().hex[:8]}"
     if session.scalar(select(Study.id).where(Study.name == name)) is not None:
         raise Conflict("name", f"a study named {name!r} already exists")
-    if session.scalar(select(rdb.StudyModel.study_id).where(rdb.StudyModel.study_name == name)) is not None:
+    if reads.optuna_study_named(session, name) is not None:
         raise Conflict("name", f"an Optuna study named {name!r} already exists")
     try:
         directions = request.objective_directions(workload)
@@ -157,22 +126,14 @@ def create_study(
     # fusetune's, through Optuna's table models as the mirror writes trials: both or neither
     # (optuna.create_study and its attrs were three transactions of their own before ours,
     # and a study our commit refused had to be deleted again).
+    optuna_directions = [optuna.study.StudyDirection[d.upper()] for d in directions]
+    attrs = _optuna_system_attrs(request)
     try:
-        optuna_study_id = session.execute(
-            insert(rdb.StudyModel.__table__).returning(rdb.StudyModel.__table__.c.study_id), {"study_name": name}
-        ).scalar_one()
+        rows = create_study_rows(session, name, optuna_directions, attrs)
     except IntegrityError as exc:  # an Optuna study of this name committed since the check
         session.rollback()
         raise Conflict("name", f"an Optuna study named {name!r} already exists") from exc
-    optuna_directions = [optuna.study.StudyDirection[d.upper()] for d in directions]
-    session.execute(insert(rdb.StudyDirectionModel.__table__), [
-        {"study_id": optuna_study_id, "objective": k, "direction": d} for k, d in enumerate(optuna_directions)
-    ])
-    attrs = _optuna_system_attrs(request)
-    if attrs:
-        session.execute(insert(rdb.StudySystemAttributeModel.__table__), [
-            {"study_id": optuna_study_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items()
-        ])
+    optuna_study_id = rows.study_id
     study = Study(
         name=name,
         tenant=tenant.name,
@@ -196,7 +157,7 @@ def create_study(
         session.rollback()
         raise Conflict("name", f"a study named {name!r} already exists") from exc
     if created is not None:
-        created(study.id, CreatedStudy(optuna_study_id, name, tuple(optuna_directions), attrs))
+        created(study.id, rows)
     # From what was written, not read back: the loop is asking the first trials by now, and
     # a read would take its time from theirs (the answer is the study as it was created).
     return _finish_out(reads.new_study_out(study, optuna_directions, attrs), study)
@@ -331,13 +292,8 @@ def trial_state_dict(
     not make the service hand out any other file. NotFound when there is none.
     """
     trial = _trial(session, trial_id, as_tenant)
-    from optuna.storages._rdb.models import TrialUserAttributeModel as model
-
     missing = NotFound(f"trial {trial_id} has no saved state_dict")
-    stored = session.scalar(
-        select(model.value_json).where(model.trial_id == trial.optuna_trial_id, model.key == "state_dict")
-    )
-    location = json.loads(stored) if stored is not None else None
+    location = reads.trial_user_attr(session, trial.optuna_trial_id, "state_dict")
     if not isinstance(location, str) or not location:
         raise missing
     if location.startswith("file://"):

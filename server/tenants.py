@@ -24,7 +24,8 @@ from fusetune.server.db import Study, StudyState, Tenant, Token, utcnow
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreated, TokenOut
 from fusetune.server.pagination import NAME_CURSOR, Page, PageParams
 from fusetune.server.reads import id_page, keyset_page
-from fusetune.server.service import Conflict, NotFound, lock_tenant
+from fusetune.server.errors import Conflict, NotFound
+from fusetune.server.service import lock_tenant
 
 
 def list_tenants(session: Session, *, page: PageParams = PageParams(), as_tenant: str | None = None) -> Page[TenantOut]:

@@ -11,6 +11,8 @@
   ``responses``; 422 is FastAPI's, for routes with parameters.
 * :func:`method_not_allowed`: a 405's ``Allow`` lists every method of the path, not only
   those of the first route that matched it.
+* :func:`answer_refusals`: the one mapping of the service's refusals (``server/errors.py``)
+  to HTTP: NotFound 404, Conflict 409, Invalid 422 (``loc`` names the field), Unavailable 503.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import compile_path
 
+from fusetune.server.errors import Conflict, Invalid, NotFound, Unavailable
 from fusetune.server.params import DECIMAL
 
 #: Largest id of fusetune's tables (PostgreSQL's INTEGER; SQLite's are wider).
@@ -187,3 +190,26 @@ async def method_not_allowed(request: Request, exc: StarletteHTTPException) -> R
         return await http_exception_handler(request, exc)
     allowed = allowed_methods(request.app, request.url.path)
     return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers={"Allow": ", ".join(sorted(allowed))})
+
+
+def answer_refusals(app: FastAPI) -> None:
+    """Map the service's refusals to their answers on ``app``: the one place they become HTTP."""
+
+    async def not_found(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=404, content={"detail": str(exc)})
+
+    async def conflict(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, Conflict)
+        detail = [{"loc": [exc.where, exc.field], "msg": str(exc), "type": "conflict"}]
+        return JSONResponse(status_code=409, content={"detail": detail})
+
+    async def unavailable(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": str(exc)}, headers={"Retry-After": "1"})
+
+    async def invalid(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, Invalid)
+        detail = [{"loc": [exc.where, exc.field], "msg": str(exc), "type": "value_error"}]
+        return JSONResponse(status_code=422, content={"detail": detail})
+
+    for refusal, answer in ((NotFound, not_found), (Conflict, conflict), (Unavailable, unavailable), (Invalid, invalid)):
+        app.add_exception_handler(refusal, answer)
