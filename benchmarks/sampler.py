@@ -42,7 +42,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution  # n
 
 from fusetune.client.samplers import FusionSampler, fusion_group, non_fusible_params  # noqa: E402
 from fusetune.scheduler import PendingTrial, pack  # noqa: E402
-from fusetune.server.signatures import trial_signature  # noqa: E402
+from fusetune.workers.signature import trial_signature  # noqa: E402
 from fusetune.workers.workloads import Workload, get_workload  # noqa: E402
 
 SPACE = {

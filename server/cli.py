@@ -207,6 +207,7 @@ def _quota(value: str) -> int | None:
 
 def cmd_tenants(args: argparse.Namespace) -> int:
     from fusetune.server import service
+    from fusetune.server.errors import Conflict, Invalid, NotFound
 
     if args.database or args.database_url:
         backend: Any = DatabaseTenants(args.database_url or get_settings().database_url)
@@ -241,7 +242,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     except FusetuneError as exc:
         print(f"rejected: {exc}", file=sys.stderr)
         return 2
-    except (ValidationError, service.NotFound, service.Conflict, service.Invalid) as exc:
+    except (ValidationError, NotFound, Conflict, Invalid) as exc:
         print(f"rejected: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -29,7 +29,7 @@ from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, updat
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from fusetune.client.samplers import FusionSampler, non_fusible_params
+from fusetune.workers.samplers import FusionSampler, non_fusible_params
 from fusetune.scheduler import (
     Device,
     PendingTrial,
@@ -66,7 +66,7 @@ from fusetune.server.purge import Purge, StudyPurger
 from fusetune.server.schemas import TRAINING_ATTR, parse_search_space
 from fusetune.server.errors import Conflict, Unavailable
 from fusetune.server.settings import Settings, artifact_uri
-from fusetune.server.signatures import trial_signature
+from fusetune.workers.signature import trial_signature
 from fusetune.workers.pool import Event, WorkerHandle, WorkerPool
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
 from fusetune.workers.workloads import get_workload

@@ -165,7 +165,7 @@ class Settings(BaseSettings):
     throughput_smoothing: float = Field(
         0.3, gt=0, le=1, description="Weight of a new throughput measurement in its running average."
     )
-    scheduling_policy: Literal["fifo", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"] = Field(
+    scheduling_policy: Literal["fifo", "gavel-paper", "gavel", "oef", "oef-noncooperative", "fusion-greedy", "fusetune"] = Field(
         "fusetune", description="The scheduler's policy (see docs/scheduling.md)."
     )
     prior_marginal_cost: float = Field(

@@ -12,7 +12,7 @@ from fusetune.server import service
 from fusetune.server.db import Array, Throughput, Trial, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
-from fusetune.server.signatures import trial_signature
+from fusetune.workers.signature import trial_signature
 from fusetune.workers.workloads import get_workload
 from tests.test_backfill import run_by_hand
 from tests.test_training_choices import space

@@ -1,10 +1,10 @@
 """Optuna samplers for fusetune: :class:`FusionSampler` makes any sampler's trials fuse.
 
-Importing this package needs only Optuna; :meth:`FusionSampler.for_workload` and
-:func:`non_fusible_params` import torch and fusetune's server code when called.
+The sampler itself lives beside the fusion key it reads (``workers/samplers``), where the
+service's scheduling loop uses it too; this is where a plain Optuna user finds it
+(``README.md`` here). Importing it needs only Optuna.
 """
 
-from ._fusion import ATTR, FusionSampler, fusion_group
-from ._workload import non_fusible_params
+from fusetune.workers.samplers import ATTR, FusionSampler, fusion_group, non_fusible_params
 
 __all__ = ["ATTR", "FusionSampler", "fusion_group", "non_fusible_params"]

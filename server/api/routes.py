@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from fusetune.server import service
+from fusetune.server.errors import Unavailable
 from fusetune.server.api.deps import SessionRoute, authenticate, get_app_settings, get_session, get_url
 from fusetune.server.api.errors import CONFLICT, MAX_ID, UNAVAILABLE, StudyId, TrialId
 from fusetune.server.api.links import answers, links
@@ -376,7 +377,7 @@ def healthz(request: Request, session: Session = Depends(get_session)) -> Health
     except SQLAlchemyError as exc:
         from fusetune.server.api.ops import _reason
 
-        raise service.Unavailable(f"the database is unreachable: {_reason(exc)}") from exc  # whatever the error: 503
+        raise Unavailable(f"the database is unreachable: {_reason(exc)}") from exc  # whatever the error: 503
     pool = request.app.state.pool
     return Health(
         status="ok",

@@ -15,8 +15,8 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from torch import nn
 
 from fusetune.client.samplers import FusionSampler, fusion_group, non_fusible_params
-from fusetune.client.samplers._workload import probe_values
-from fusetune.server.signatures import trial_signature
+from fusetune.workers.samplers._workload import probe_values
+from fusetune.workers.signature import trial_signature
 from fusetune.workers.workloads import UnknownWorkloadError, get_workload
 
 SPACE = {

@@ -1,8 +1,7 @@
 """The scheduler is plain data and decisions: no torch, no files, no printing.
 
 Every module of ``scheduler/`` is read as source (not imported) and its imports and calls
-are checked.  ``_signature.py`` is the one exception for now: it hashes torch modules and
-is being moved out of the scheduler with the server's refactor (issue 30).
+are checked. (The fusion key, which hashes torch modules, lives in ``workers/signature.py``.)
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from pathlib import Path
 import pytest
 
 SCHEDULER = Path(__file__).resolve().parents[2] / "scheduler"
-EXEMPT = {"_signature.py"}
 FORBIDDEN_IMPORTS = {"torch", "fusion", "server", "os", "io", "pathlib", "csv", "json", "shutil", "subprocess", "sqlite3"}
 FORBIDDEN_CALLS = {"open", "print", "input"}
 FORBIDDEN_METHODS = {"read_text", "write_text", "read_bytes", "write_bytes", "open", "unlink", "mkdir"}
@@ -47,7 +45,7 @@ def _calls(tree: ast.AST) -> tuple[set[str], set[str]]:
     return funcs, methods
 
 
-MODULES = sorted(p for p in SCHEDULER.glob("*.py") if p.name not in EXEMPT)
+MODULES = sorted(SCHEDULER.glob("*.py"))
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)

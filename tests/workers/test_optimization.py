@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from fusetune.server.signatures import trial_signature
+from fusetune.workers.signature import trial_signature
 from fusetune.workers.actor import ArrayWorker
 from fusetune.workers.checkpoints import load_checkpoint
 from fusetune.workers.optimization import (

@@ -72,7 +72,7 @@ class Workload:
         name: registry name, e.g. ``"digits-mlp"``.
         build_model: model factory taking a trial's params (a read-only mapping). Its
             shapes must depend on nothing but the params it reads: the service memoises
-            signatures by them (``server/signatures.py``).
+            signatures by them (``workers/signature.py``).
         search_space: default define-by-run search space: suggests on an Optuna trial and
             returns the params.
         datasets: returns the (train, validation) datasets of (input, target) tensors.

@@ -4,7 +4,7 @@ A parameter is non-fusible when changing it changes the trial's shape signature,
 which the service packs trials into arrays. The answer is not declared by hand: the
 workload's search space runs with each parameter varied over probe values of its
 distribution, every other parameter held, and ``scheduler.fusible_params`` compares the
-signatures that ``server.signatures.trial_signature`` (the function the service packs
+signatures that ``workers.signature.trial_signature`` (the function the service packs
 with) gives the results. This module imports torch and fusetune's server code, and only
 when called.
 """
@@ -133,7 +133,7 @@ def non_fusible_params(
         TypeError: ``workload`` is neither a Workload nor a name.
         ValueError: ``contexts`` is below 1, or the space raised for every context.
     """
-    from fusetune.scheduler import fusible_params
+    from fusetune.workers.signature import fusible_params
     from fusetune.workers.workloads import Workload, get_workload
 
     if isinstance(workload, str):
@@ -183,6 +183,6 @@ def non_fusible_params(
 
 def _service_signature(workload: Workload) -> Callable[[Mapping[str, Any]], str]:
     """The service's signature function for ``workload``'s trials (imports the server's code)."""
-    from fusetune.server.signatures import trial_signature
+    from fusetune.workers.signature import trial_signature
 
     return lambda params: trial_signature(workload, params)

@@ -272,10 +272,10 @@ class FusionSampler(BaseSampler):
         """A FusionSampler whose non-fusible parameters are derived from a fusetune workload.
 
         They are the parameters that change the trial's shape signature as the service
-        computes it (see :func:`fusetune.client.samplers.non_fusible_params`, which imports
+        computes it (see :func:`fusetune.workers.samplers.non_fusible_params`, which imports
         torch and fusetune's server code; the sampler itself needs only Optuna).
         """
-        from fusetune.client.samplers._workload import non_fusible_params
+        from fusetune.workers.samplers._workload import non_fusible_params
 
         names = non_fusible_params(workload, distributions=distributions, signature=signature)
         return cls(base_sampler, non_fusible=names, group_size=group_size)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusetune.scheduler import Signature, fusible_params, shape_signature
+from fusetune.workers.signature import Signature, fusible_params, shape_signature
 
 
 def _mlp(hidden: int, depth: int = 2) -> nn.Module:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from fusetune.server.signatures import array_settings, trial_signature
+from fusetune.workers.signature import array_settings, trial_signature
 from fusetune.workers.workloads import get_workload
 from fusetune.workers.workloads._base import Workload
 

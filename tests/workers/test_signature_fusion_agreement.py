@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fusetune.fusion as fusion
-from fusetune.scheduler import shape_signature
+from fusetune.workers.signature import shape_signature
 
 SETTINGS = {"batch_size": 8, "optimizer": "adam", "epochs": 2}
 
