@@ -121,3 +121,28 @@ def test_reuse_cpu_memory_takes_effect_under_glibc():
     out = subprocess.run([sys.executable, "-c", "import fusion; print(fusion.reuse_cpu_memory())"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize(
+    ("speedup", "again", "expected"),
+    [
+        # The pick holds up: it stands, at the lower of its two measurements.
+        ({1: 1.0, 2: 1.3, 4: 1.6}, {4: 1.5}, (4, True, {1: 1.0, 2: 1.3, 4: 1.5})),
+        # A disturbed measurement made B=2 look fast; measured again it is slower than
+        # unfused, and the next pick (measured again too) stands.
+        ({1: 1.0, 2: 3.16, 4: 1.3}, {2: 0.94, 4: 1.25}, (4, True, {1: 1.0, 2: 0.94, 4: 1.25})),
+        # Nothing holds up: run unfused.
+        ({1: 1.0, 2: 1.2}, {2: 1.01}, (1, False, {1: 1.0, 2: 1.01})),
+        # A second measurement never raises a speed-up.
+        ({1: 1.0, 2: 1.2}, {2: 2.0}, (2, True, {1: 1.0, 2: 1.2})),
+    ],
+)
+def test_the_pick_is_measured_again_before_it_stands(speedup, again, expected):
+    measured: list[int] = []
+
+    def measure_again(b: int) -> float:
+        measured.append(b)
+        return again[b]
+
+    assert sizing.choose_confirmed(speedup, measure_again, min_gain=1.05) == expected
+    assert measured == list(again)
