@@ -101,10 +101,12 @@ class FusedModel(nn.Module):
 
     def batched_modules(self) -> dict[str, str | None]:
         """The modules on the batched path that run on their own (not inside another one):
-        path -> ``None`` where vmap runs them, or why they run once per member instead."""
+        path -> ``None`` where vmap runs them, or why they run once per member instead
+        (``"train: ..."``, ``"eval: ..."``: per mode, as found on a first call in it)."""
         found = {p: m for p, m in self.fused_layers() if isinstance(m, BatchedModule)}
-        return {p: m.per_member_reason for p, m in found.items()
-                if not any(q != p and (q == "" or p.startswith(q + ".")) for q in found)}
+        return {p: "; ".join(f"{'train' if mode else 'eval'}: {why}"
+                             for mode, why in sorted(m.per_member_reasons.items(), reverse=True)) or None
+                for p, m in found.items() if not any(q != p and (q == "" or p.startswith(q + ".")) for q in found)}
 
     def extra_repr(self) -> str:
         return f"num_members={self._num_members}"

@@ -11,6 +11,7 @@ from torch import nn
 
 from .._errors import FusionError
 from ._base import FusedLayer, check_same_config, stack_param
+from ._batched_call import in_batched_call, per_member_flags
 from ._linear import Linear
 
 
@@ -202,11 +203,13 @@ class EncoderComposablePath(nn.TransformerEncoder):
     """
 
     def _torch_would_nest(self, src: torch.Tensor, mask: torch.Tensor | None,
-                          src_key_padding_mask: torch.Tensor | None) -> list[bool]:
+                          src_key_padding_mask: torch.Tensor | None) -> list[bool] | torch.Tensor:
         """Per member: would ``nn.TransformerEncoder.forward`` (torch 2.4-2.14) use nested tensors?
 
         Every condition is shared by the members except the left-alignment of
-        the padding mask, which torch checks over each member's own batch.
+        the padding mask, which torch checks over each member's own batch. Inside a
+        batched module (vmap: ``src`` is one member's), the answer is that member's,
+        as a bool tensor.
         """
         b = self.layers[0].self_attn.num_members
         never = [False] * b
@@ -236,6 +239,8 @@ class EncoderComposablePath(nn.TransformerEncoder):
             return [True] * b
         batch_dim = 0 if attn.batch_first else 1
         keep = src_key_padding_mask.logical_not()
+        if in_batched_call():
+            return per_member_flags(torch._nested_tensor_from_mask_left_aligned, src, keep)
         return [
             bool(torch._nested_tensor_from_mask_left_aligned(s_b, k_b))
             for s_b, k_b in zip(src.chunk(b, dim=batch_dim), keep.chunk(b, dim=0))
@@ -263,12 +268,15 @@ class EncoderComposablePath(nn.TransformerEncoder):
         output = src
         for mod in self.layers:
             output = mod(output, src_mask=mask, is_causal=is_causal, src_key_padding_mask=src_key_padding_mask)
-        if any(nest):
+        if isinstance(nest, torch.Tensor) or any(nest):
             assert src_key_padding_mask is not None
             # Zero padded positions of the members torch would have nested.
             padded = src_key_padding_mask != 0  # canonical float mask: -inf at padding
-            members = torch.tensor(nest, device=padded.device).repeat_interleave(padded.shape[0] // len(nest))
-            padded = padded & members.unsqueeze(1)
+            if isinstance(nest, torch.Tensor):  # one member's answer, inside a batched module
+                padded = padded & nest
+            else:
+                members = torch.tensor(nest, device=padded.device).repeat_interleave(padded.shape[0] // len(nest))
+                padded = padded & members.unsqueeze(1)
             if not batch_first:
                 padded = padded.transpose(0, 1)
             output = output.masked_fill(padded.unsqueeze(-1), 0.0)

@@ -49,8 +49,9 @@ class BatchedModule(FusedLayer):
     folds_in_batched_call: ClassVar[bool] = False
     fusion_path: str = ""
     allow_loop: bool = True
-    #: Set once vmap could not run the module: it runs once per member from then on.
-    per_member_reason: str | None = None
+    #: training flag -> why vmap could not run the module in that mode (it then runs once
+    #: per member in that mode).
+    per_member_reasons: dict[bool, str]
     #: training flag -> batch axis of every leaf of the call's inputs / outputs (dry run).
     arg_axes: dict[bool, list[int | None]]
     out_axes: dict[bool, list[int | None]]
@@ -65,7 +66,7 @@ class BatchedModule(FusedLayer):
             return super(BatchedModule, self).forward(*args, **kwargs)  # type: ignore[misc]
         if self.num_members == 1:
             return self._single(args, kwargs)
-        if self.per_member_reason is not None:
+        if self.training in self.per_member_reasons:
             return self._per_member(args, kwargs)
         if self.training in self.__dict__.get("_vmapped_ok", ()):
             return self._vmapped(args, kwargs)
@@ -122,10 +123,10 @@ class BatchedModule(FusedLayer):
             if not self.allow_loop:
                 raise FusionError(f"{label} cannot run batched under torch.func.vmap ({reason})") from exc
             out = self._per_member(args, kwargs)  # a module that cannot run at all raises here
-            self.per_member_reason = reason
+            self.per_member_reasons[self.training] = reason
             warnings.warn(
-                f"{label} runs once per member (exact, but without the speed-up of fusion): "
-                f"torch.func.vmap cannot run it ({reason})",
+                f"{label} runs once per member in {'training' if self.training else 'eval'} mode (exact, but "
+                f"without the speed-up of fusion): torch.func.vmap cannot run it ({reason})",
                 FusionWarning,
                 stacklevel=2,
             )
@@ -210,6 +211,7 @@ def make_batched(module: nn.Module, path: str, num_members: int, allow_loop: boo
     module.allow_loop = allow_loop
     module.arg_axes = {}
     module.out_axes = {}
+    module.per_member_reasons = {}
     return module
 
 

@@ -206,3 +206,17 @@ def _check_plain(layer: FusedLayer) -> None:
             raise FusionError(
                 f"{type(layer).__name__}: its inputs cannot be folded and '{attr}' differs between members"
             )
+
+
+def per_member_flags(check: Any, *tensors: torch.Tensor) -> torch.Tensor:
+    """Inside a batched call: ``check`` (Python code on tensors, returning a bool: what vmap
+    cannot run) of each member's tensors, as one member's bool tensor under vmap."""
+    interpreter = retrieve_current_functorch_interpreter()
+    level, b = interpreter.level(), interpreter.batch_size()
+    members = []
+    for t in tensors:
+        phys, axis = _unwrap_batched(t, level)
+        members.append(phys.movedim(axis, 0) if axis is not None else phys.unsqueeze(0).expand(b, *phys.shape))
+    with interpreter.lower():
+        flags = torch.tensor([bool(check(*(t[m] for t in members))) for m in range(b)], device=members[0].device)
+    return _add_batch_dim(flags, 0, level)

@@ -255,10 +255,10 @@ class DataDependent(nn.Module):
 def test_where_vmap_cannot_run_a_module_it_runs_once_per_member_with_a_warning():
     ref, fused = sgd()
     model = lambda: nn.Sequential(nn.Linear(3, 4), DataDependent(), nn.Linear(4, 3))  # noqa: E731
-    with pytest.warns(fusion.FusionWarning, match=r"submodule '1' \(DataDependent\) runs once per member.*\.item\(\)"):
+    with pytest.warns(fusion.FusionWarning, match=r"submodule '1' \(DataDependent\) runs once per member in training mode.*\.item\(\)"):
         f = run_equivalence(model, classify((3,)), ref, fused, b=B)
     reason = f.batched_modules()["1"]
-    assert reason is not None and reason.startswith("RuntimeError")
+    assert reason is not None and reason.startswith("train: RuntimeError")
 
 
 def test_fallback_false_refuses_instead_of_looping():
@@ -414,3 +414,34 @@ def test_the_per_member_loop_runs_each_member_with_its_own_dropout():
         y = fused(fusion.broadcast(torch.ones(5, 8), 3))
     assert torch.equal(y[0], torch.ones(5, 8)) and not y[1].any() and torch.equal(y[2], torch.ones(5, 8))
     assert fused.module[0].plain.drop.p == 0.0  # the plain copy has its own setting back
+
+
+class PaddedEncoder(nn.Module):
+    """A root model with its own position parameter around nn.TransformerEncoder with a
+    padding mask: in inference torch runs such an encoder on nested tensors (padded outputs
+    become 0), deciding per batch, i.e. per member."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, padding_idx=0)
+        self.pos = nn.Parameter(torch.randn(6, 8) * 0.1)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.enc(self.emb(tokens) + self.pos, src_key_padding_mask=tokens == 0)
+        return self.head(h.sum(1))
+
+
+@pytest.mark.usefixtures("no_fusion_warnings")
+def test_encoder_inference_on_nested_tensors_inside_a_batched_module():
+    members = make_members(PaddedEncoder, B, D)
+    fused = fusion.fuse(copy.deepcopy(members)).eval()
+    tokens = torch.randint(1, 20, (B, 4, 6))
+    tokens[0, :2, 4:] = 0  # member 0: left-aligned padding, torch nests
+    tokens[1, 1, :2] = 0  # member 1: padding not left-aligned, torch does not
+    with torch.no_grad():
+        out = fused(tokens)
+        for b, m in enumerate(members):
+            assert_close(out[b], m.eval()(tokens[b]), f"member {b}", D)
+    assert fused.batched_modules() == {"": None}
