@@ -63,7 +63,7 @@ class BatchedModule(FusedLayer):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if in_batched_call():
-            return super(BatchedModule, self).forward(*args, **kwargs)  # type: ignore[misc]
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
         if self.num_members == 1:
             return self._single(args, kwargs)
         if self.training in self.per_member_reasons:

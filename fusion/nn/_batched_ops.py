@@ -17,14 +17,13 @@ axis.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.overrides import TorchFunctionMode
-
 
 
 def _members_first(t: torch.Tensor, level: int, b: int) -> torch.Tensor:
@@ -110,10 +109,11 @@ class FoldOps(TorchFunctionMode):
     """Entered inside a vmapped function: the functions in ``_RULES`` called at that vmap level
     run folded; everywhere else (a twin's folded call one level down) everything runs as is."""
 
-    def __enter__(self) -> FoldOps:
+    def __enter__(self) -> Self:
         top = torch._C._functorch.peek_interpreter_stack()
         self._level = None if top is None else top.level()
-        return super().__enter__()  # type: ignore[return-value]
+        super().__enter__()
+        return self
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
