@@ -69,9 +69,9 @@ import tempfile
 import time
 import uuid
 import zlib
-from datetime import datetime
-from dataclasses import asdict, dataclass, field
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 # Run as a script, this file's directory is sys.path[0] and benchmarks/fusion.py would

@@ -53,10 +53,24 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fusion  # noqa: E402
-
-from benchmarks.zoo import (GPT, LSTMLM, ViT, ConvNeXt, ContrastiveDualEncoder, EinsumTransformer,  # noqa: E402
-                            PointNet, ResNet18, RMSNormMLP, SinusoidalTransformer, TransformerClassifier,
-                            WeightNormTCN, cnn, contrastive_loss, lm_loss, mlp)
+from benchmarks.zoo import (  # noqa: E402
+    GPT,
+    LSTMLM,
+    ContrastiveDualEncoder,
+    ConvNeXt,
+    EinsumTransformer,
+    PointNet,
+    ResNet18,
+    RMSNormMLP,
+    SinusoidalTransformer,
+    TransformerClassifier,
+    ViT,
+    WeightNormTCN,
+    cnn,
+    contrastive_loss,
+    lm_loss,
+    mlp,
+)
 
 # ----------------------------------------------------------------------------- workloads
 # The models are defined once, in benchmarks/zoo.py (the fusion tests use the same classes).

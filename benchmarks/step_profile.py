@@ -47,7 +47,6 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import fusion  # noqa: E402
 from fusetune.workers.optimization import optimizer_kwargs, optimizer_name, resolve  # noqa: E402

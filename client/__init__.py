@@ -8,9 +8,9 @@
 """
 
 from ._client import Client, FusetuneError
+from ._optimize import optimize
 from ._specs import component_spec
 from ._storage import ReadOnlyStorageError, Storage
-from ._optimize import optimize
 from ._studies import create_study, load_study
 from .samplers import FusionSampler
 

@@ -32,8 +32,8 @@ import copy
 import hashlib
 import json
 import math
-import statistics
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,11 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import optim as fused_optim
 from ._errors import FusionError
 from ._functional import broadcast, per_member_loss
 from ._model import FusedModel, fuse
 from .nn import TWINS
-from . import optim as fused_optim
 
 OptimizerName = str
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from scipy import sparse
+
 from fusetune.scheduler._exchange import exchange
 from fusetune.scheduler._lp import (
     AllocationProblem,
@@ -44,7 +46,6 @@ from fusetune.scheduler._lp import (
     utility_matrix,
     variables,
 )
-from scipy import sparse
 
 __all__ = [
     "Allocation",

@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+
 from fusetune.scheduler._lp import (
     AllocationProblem,
     Vars,

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+
 from fusetune.scheduler._allocation import Allocation
 from fusetune.scheduler._types import Device, Placement
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
 from fusetune.scheduler._allocation import (
     Allocation,
     AllocationProblem,

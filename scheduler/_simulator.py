@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from fusetune.scheduler._allocation import equal_share_utilities
 from fusetune.scheduler._packing import PendingTrial
 from fusetune.scheduler._scheduler import Scheduler, make_scheduler

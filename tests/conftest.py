@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_service(ray_address: str, database_url: str, **settings: object) -> Iterator["Client"]:
+def running_service(ray_address: str, database_url: str, **settings: object) -> Iterator[Client]:
     """A live uvicorn serving the whole service (API, scheduling loop, Ray workers).
 
     Yields a client authenticated as the tenant ``default``, with a token made by the

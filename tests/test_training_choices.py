@@ -4,7 +4,6 @@ multi-objective study whose Pareto front Optuna reads back."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import optuna
 import pytest

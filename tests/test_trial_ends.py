@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
 import pytest
-import sqlalchemy as sa
 import torch
 
 from fusetune.client import Client
-from fusetune.server.db import get_engine
 from fusetune.workers.workloads import get_workload
 from tests.conftest import running_service
 

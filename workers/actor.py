@@ -20,6 +20,7 @@ from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochRepo
 from fusetune.workers.training import train_array
 from fusetune.workers.workloads import get_workload
 
+
 class ArrayWorker:
     """Trains arrays on one device: a GPU (``cuda``), a TPU core (``xla``) or the CPU.
 

@@ -194,7 +194,7 @@ def fusible_params(
 
 # -- trial signatures: a workload's model at some params, memoised -------------------------------
 # A trial's fusion key: the shape signature of its model plus the settings its array shares.
-# 
+#
 # Asking a batch of trials computes one signature per trial, on the scheduling loop, while
 # the workers wait for their first arrays: building 64 digits MLPs on the meta device took
 # ~80 ms of the ~170 ms from a study's POST to its first array on the 2-core machine. The

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
-
-import weakref
 
 import torch
 from torch.optim import Optimizer
@@ -268,7 +267,7 @@ class FusedOptimizer(Optimizer):
         for group in self.param_groups:
             for key in self._per_member_keys(group):
                 group[key] = [group[key][i] for i in keep]
-        for p, state in self.state.items():
+        for state in self.state.values():
             for k, v in list(state.items()):
                 if isinstance(v, torch.Tensor) and v.dim() >= 1:
                     state[k] = v.index_select(0, torch.tensor(keep, device=v.device))

@@ -10,9 +10,8 @@ Existing trials get revision 1 and the counter starts there, so ``updated_since=
 trial and the first change after the upgrade is revision 2.
 """
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = "0007"
 down_revision = "0009"

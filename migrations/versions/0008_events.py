@@ -5,9 +5,8 @@ Revises: 0005
 Create Date: 2026-12-03
 """
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = "0008"
 down_revision = "0005"

@@ -5,9 +5,8 @@ Revises: 0008
 Create Date: 2026-12-04
 """
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = "0009"
 down_revision = "0008"

@@ -11,7 +11,6 @@ Create Date: 2026-12-01
 
 from alembic import op
 
-
 revision = "0010"
 down_revision = "0007"
 branch_labels = None

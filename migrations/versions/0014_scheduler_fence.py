@@ -10,9 +10,8 @@ Revises: 0013
 Create Date: 2026-12-06
 """
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = "0014"
 down_revision = "0013"

@@ -30,7 +30,6 @@ import pytest
 import sqlalchemy as sa
 
 from fusetune.client import FusetuneError
-
 from tests.dashboard.conftest import Service
 from tests.dashboard.test_dashboard import LONG, login
 

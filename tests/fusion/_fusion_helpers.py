@@ -178,7 +178,7 @@ def run_equivalence(
                                 zero_grad_params)
         if fused_sched is not None and ref_scheds is not None:
             if sched_metric:
-                metrics = [float(l) for l in ref_losses]
+                metrics = [float(loss) for loss in ref_losses]
                 for s, mtr in zip(ref_scheds, metrics):
                     s.step(mtr)
                 fused_sched.step(metrics)

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _fusion_helpers import assert_close
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import assert_close
 
 B = 3
 SCALES = [2.0**10, 2.0**120, 2.0**16]  # member 1 overflows (grads ~1e4 * 2**120 > float32 max)

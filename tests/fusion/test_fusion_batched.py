@@ -16,10 +16,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from _fusion_helpers import assert_close, make_members, run_equivalence
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import assert_close, make_members, run_equivalence
 
 B = 3
 D = torch.float64
@@ -254,7 +254,9 @@ class DataDependent(nn.Module):
 
 def test_where_vmap_cannot_run_a_module_it_runs_once_per_member_with_a_warning():
     ref, fused = sgd()
-    model = lambda: nn.Sequential(nn.Linear(3, 4), DataDependent(), nn.Linear(4, 3))
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4), DataDependent(), nn.Linear(4, 3))
+
     with pytest.warns(fusion.FusionWarning, match=r"submodule '1' \(DataDependent\) runs once per member in training mode.*\.item\(\)"):
         f = run_equivalence(model, classify((3,)), ref, fused, b=B)
     reason = f.batched_modules()["1"]
@@ -269,7 +271,9 @@ def test_fallback_false_refuses_instead_of_looping():
 
 def test_a_layer_without_a_batching_rule_runs_once_per_member():
     # vmap has no batching rule for nn.RNN's kernel.
-    model = lambda: nn.Sequential(nn.RNN(3, 4, batch_first=True))
+    def model() -> nn.Module:
+        return nn.Sequential(nn.RNN(3, 4, batch_first=True))
+
     refs = make_members(model, B, D)
     fused = fusion.fuse(copy.deepcopy(refs))
     x = torch.randn(B, 2, 5, 3, dtype=D)
@@ -379,7 +383,9 @@ class RunningMean(nn.Module):
 @pytest.mark.usefixtures("no_fusion_warnings")
 def test_buffers_a_forward_reassigns_are_kept_per_member():
     ref, fused = sgd()
-    model = lambda: nn.Sequential(nn.Linear(3, 4), RunningMean(), nn.Linear(4, 3))
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4), RunningMean(), nn.Linear(4, 3))
+
     f = run_equivalence(model, classify((3,)), ref, fused, b=B)  # compares the buffers after every step
     assert f.batched_modules() == {"1": None}
     assert f.module[1].calls.tolist() == [3] * B
@@ -392,7 +398,9 @@ def test_buffers_a_forward_reassigns_are_kept_per_member_in_the_loop():
             return out if float(out.detach().abs().sum()) >= 0 else -out  # vmap cannot run this
 
     ref, fused = sgd()
-    model = lambda: nn.Sequential(nn.Linear(3, 4), Counting(), nn.Linear(4, 3))
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4), Counting(), nn.Linear(4, 3))
+
     with pytest.warns(fusion.FusionWarning, match="runs once per member"):
         f = run_equivalence(model, classify((3,)), ref, fused, b=B)
     assert f.module[1].calls.tolist() == [3] * B

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _fusion_helpers import classification_batch, make_members, run_equivalence
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import classification_batch, make_members, run_equivalence
 
 B = 3
 LRS = [0.1, 0.05, 0.02]

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from _fusion_helpers import classification_batch, run_equivalence
+from test_models_people_write import CASES as PEOPLE_WRITE
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import classification_batch, run_equivalence
 from benchmarks.zoo import PointNet, ResNet18
-from test_models_people_write import CASES as PEOPLE_WRITE
 from fusetune.fusion import sizing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False")
@@ -131,7 +131,7 @@ def test_fp16_autocast_grad_scaler_skips_only_the_overflowing_member():
             for k, v in r.state_dict().items():
                 # fp16 products accumulate in another order in a batched matmul than in B
                 # separate ones: equal to fp16 precision, not bit for bit.
-                torch.testing.assert_close(got[k], v, rtol=1e-2, atol=1e-3, msg=lambda m: f"step {step} member {i} {k}: {m}")
+                torch.testing.assert_close(got[k], v, rtol=1e-2, atol=1e-3, msg=lambda m, where=f"step {step} member {i} {k}": f"{where}: {m}")
     for k, v in initial[1].items():
         assert torch.equal(fused.member_state_dict(1)[k], v), f"member 1 stepped despite overflowing: {k}"
     assert not torch.equal(fused.member_state_dict(0)["0.weight"], initial[0]["0.weight"])

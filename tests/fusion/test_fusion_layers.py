@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from _fusion_helpers import run_equivalence
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import run_equivalence
 
 B = 3
 SGD_KW = dict(lr=[0.1, 0.05, 0.02], momentum=[0.9, 0.0, 0.5], weight_decay=[0.0, 1e-2, 5e-3])
@@ -300,7 +302,7 @@ def test_rnn_implementations(impl, kind, monkeypatch):
     monkeypatch.setattr(fusion.nn.LSTM if kind == "lstm" else fusion.nn.GRU, "impl", impl)
     ref, fused = sgd()
     for batch_first, bidirectional in ((True, True), (False, False)):
-        run_equivalence(lambda: RNNLM(kind, batch_first=batch_first, bidirectional=bidirectional), lm_batch(),
+        run_equivalence(functools.partial(RNNLM, kind, batch_first=batch_first, bidirectional=bidirectional), lm_batch(),
                         ref, fused, b=B)
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _fusion_helpers import classification_batch, run_equivalence
 from torch import nn
 
 import fusetune.fusion as fusion
 import fusetune.fusion.nn._base as base
-from _fusion_helpers import classification_batch, run_equivalence
 
 D = torch.float64
 

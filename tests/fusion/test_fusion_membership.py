@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _fusion_helpers import assert_close, compare_optimizer_state, compare_state
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import assert_close, compare_optimizer_state, compare_state
 
 D = torch.float64
 

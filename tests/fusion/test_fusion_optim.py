@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _fusion_helpers import classification_batch, run_equivalence
+from _fusion_helpers import optimizer_pair as pair
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import classification_batch, optimizer_pair as pair, run_equivalence
 
 B = 3
 

@@ -15,10 +15,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _fusion_helpers import assert_close, compare_optimizer_state, compare_state, run_equivalence
+from _fusion_helpers import optimizer_pair as pair
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import assert_close, compare_optimizer_state, compare_state, optimizer_pair as pair, run_equivalence
 
 D = torch.float64
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _fusion_helpers import classification_batch, run_equivalence
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import classification_batch, run_equivalence
 from fusetune.fusion.nn._pool import CHANNELS_LAST_MIN_CHANNELS, MaxPool2d
 
 D = torch.float64

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
+from _fusion_helpers import run_equivalence
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import run_equivalence
 
 lrs = st.floats(min_value=1e-4, max_value=0.5)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _fusion_helpers import classification_batch, run_equivalence
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import classification_batch, run_equivalence
 
 D = torch.float64
 

@@ -10,9 +10,9 @@ MLP and CNN in test_fusion_core.py.
 from __future__ import annotations
 
 import torch
+from _fusion_helpers import classification_batch, run_equivalence
 
 import fusetune.fusion as fusion
-from _fusion_helpers import classification_batch, run_equivalence
 from benchmarks.zoo import PointNet, ResNet18
 
 B = 2

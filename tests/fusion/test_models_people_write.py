@@ -25,12 +25,22 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _fusion_helpers import assert_close, compare_optimizer_state, compare_state, make_members, run_equivalence
 from torch import nn
 
 import fusetune.fusion as fusion
-from _fusion_helpers import compare_optimizer_state, compare_state, make_members, assert_close, run_equivalence
-from benchmarks.zoo import (GPT, ViT, ConvNeXt, ContrastiveDualEncoder, EinsumTransformer, RMSNormMLP,
-                            SinusoidalTransformer, WeightNormTCN, contrastive_loss, lm_loss)
+from benchmarks.zoo import (
+    GPT,
+    ContrastiveDualEncoder,
+    ConvNeXt,
+    EinsumTransformer,
+    RMSNormMLP,
+    SinusoidalTransformer,
+    ViT,
+    WeightNormTCN,
+    contrastive_loss,
+    lm_loss,
+)
 
 B = 3
 D = torch.float64

@@ -9,6 +9,7 @@ paper's setting without reading files.
 from __future__ import annotations
 
 import numpy as np
+
 from fusetune.scheduler import AllocationProblem
 
 GPUS = ("k80", "p100", "v100")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from fusetune.scheduler import AllocationProblem
 from hypothesis import strategies as st
+
+from fusetune.scheduler import AllocationProblem
 
 
 @st.composite

@@ -9,10 +9,10 @@ throughput (strategy-proofness), every tenant gets at least its equal share's be
 from __future__ import annotations
 
 import numpy as np
-from fusetune.scheduler import AllocationProblem, solve_allocation
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fusetune.scheduler import AllocationProblem, solve_allocation
 from tests.scheduler.gavel_speeds import one_type_problem
 from tests.scheduler.problems import bundles
 

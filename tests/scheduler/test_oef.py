@@ -9,11 +9,11 @@ Gavel's single max-min LP with its type-blind equal-time normaliser).
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import HealthCheck, given, settings
+
 from fusetune.scheduler import AllocationProblem, solve_allocation
 from fusetune.scheduler._allocation import SI_HEADROOM, proportional_utilities
 from fusetune.scheduler._workload import backlog
-from hypothesis import HealthCheck, given, settings
-
 from tests.scheduler.gavel_speeds import JOB_TYPES, one_type_problem
 from tests.scheduler.problems import allocation_problems, envious, short_classes
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
 from fusetune.scheduler import SpeedupCurve
 from fusetune.scheduler._simulator import simulate
 from fusetune.scheduler._trace import TraceStudy, TraceTrial

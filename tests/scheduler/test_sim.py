@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+
 from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, marginal_cost_floor
 from fusetune.scheduler._simulator import simulate
 from fusetune.scheduler._trace import per_trial_tenants, philly_studies

@@ -7,13 +7,13 @@ import math
 from collections import defaultdict
 
 import pytest
+
 from fusetune.scheduler._workload import (
     backlog,
     offered_load,
     synthetic_workload,
     tenant_loads,
 )
-
 from tests.scheduler.gavel_speeds import JOB_TYPES, SOLO
 
 P100 = {job: speeds[1] for job, speeds in SOLO.items()}

@@ -9,7 +9,6 @@ import threading
 import time
 
 import httpx
-import pytest
 import sqlalchemy as sa
 import uvicorn
 

@@ -3,7 +3,7 @@ until a trial completes), a study's arrays timeline, and the cluster; and the pa
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import optuna
@@ -40,7 +40,7 @@ def complete_trials(live: LiveApi, study_id: int, n: int, start: int = 0) -> lis
         for number, oid, params, value in rows:
             trial = Trial(
                 study_id=study_id, optuna_trial_id=oid, number=number, params=params, signature="s" * 64,
-                state=TrialState.COMPLETE, value=value, completed_at=datetime.now(timezone.utc) + timedelta(seconds=number),
+                state=TrialState.COMPLETE, value=value, completed_at=datetime.now(UTC) + timedelta(seconds=number),
             )
             session.add(trial)
             session.flush()
@@ -98,7 +98,7 @@ def test_a_large_study_is_evaluated_on_a_seeded_sample(live: LiveApi, api: httpx
 
 def test_timeline_and_cluster(live: LiveApi, api: httpx.Client, study_id: int) -> None:
     first, second, late = complete_trials(live, study_id, 3)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     with get_sessionmaker(live.database_url)() as session:
         worker = Worker(name="gpu-0", device_type="cuda:H100", node="node-a")
         idle = Worker(name="gpu-1", device_type="cuda:H100", node="node-b")

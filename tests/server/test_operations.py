@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import optuna
 import pydantic
 import pytest
 import sqlalchemy as sa
@@ -21,8 +20,22 @@ from sqlalchemy.engine import make_url
 
 from fusetune.client import Client
 from fusetune.server import events
+from fusetune.server.db import (
+    Array,
+    ArrayMember,
+    ArrayState,
+    Event,
+    Study,
+    StudyState,
+    Trial,
+    TrialState,
+    get_engine,
+    get_optuna_storage,
+    get_read_engine,
+    get_sessionmaker,
+    utcnow,
+)
 from fusetune.server.settings import Settings
-from fusetune.server.db import Array, ArrayMember, ArrayState, Event, Study, StudyState, Trial, TrialState, get_engine, get_optuna_storage, get_read_engine, get_sessionmaker, utcnow
 from tests.conftest import POSTGRES_ENV
 from tests.server.conftest import LiveApi, live_api
 from tests.sse import events_of, parse

@@ -76,7 +76,7 @@ def mixed_trials(n: int, seed_: int = 0) -> list[tuple[TrialState, Any, dict[int
     """Trials of every state; values with ties (accuracies of a small validation set) and without."""
     rng = random.Random(seed_)
     out = []
-    for k in range(n):
+    for _ in range(n):
         state = rng.choice(list(TrialState))
         curve = {step: round(rng.random(), 2) for step in range(rng.randint(0, 6))}
         value = rng.choice([0.5, 0.75, 0.9, round(rng.random(), 3)]) if state in (TrialState.COMPLETE, TrialState.PRUNED) else None
@@ -286,7 +286,7 @@ def test_arrays_tenants_and_tokens_page_too(live: LiveApi, admin: httpx.Client, 
     study = make_study(owner, "arrays")
     ids = seed(database_url, study["id"], [(TrialState.RUNNING, None, {}) for _ in range(6)])
     with get_sessionmaker(database_url)() as session:
-        for k, trial_id in enumerate(ids):
+        for trial_id in ids:
             session.add(Array(study_id=study["id"], signature="s" * 64, members=[ArrayMember(slot=0, trial_id=trial_id)]))
         session.commit()
     arrays = every_row(owner, "/api/v1/arrays", limit=4)
@@ -335,7 +335,7 @@ def test_bad_paging_input_is_a_422_naming_the_parameter(api: httpx.Client, param
     study = make_study(api, "bad")
     response = api.get(f"/api/v1/studies/{study['id']}/trials", params=params)
     assert response.status_code == 422, response.text
-    assert loc in [list(l[:2]) for l in field_of(response)], response.text
+    assert loc in [list(error[:2]) for error in field_of(response)], response.text
 
 
 def test_a_cursor_is_a_position_in_every_order_of_its_listing(api: httpx.Client, database_url: str) -> None:

@@ -111,7 +111,7 @@ def test_a_tenant_holds_at_most_the_tokens_the_setting_allows(database_url: str,
         clients = [live.client(first) for _ in range(6)]
         barrier = threading.Barrier(len(clients))
 
-        def mint_at_once(client: httpx.Client) -> int:
+        def mint_at_once(client: httpx.Client, barrier: threading.Barrier = barrier) -> int:
             barrier.wait()
             return client.post("/api/v1/tenants/acme/tokens", json={}).status_code
 

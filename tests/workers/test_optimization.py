@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from fusetune.workers.signature import trial_signature
 from fusetune.workers.actor import ArrayWorker
 from fusetune.workers.checkpoints import load_checkpoint
 from fusetune.workers.optimization import (
@@ -27,8 +26,9 @@ from fusetune.workers.optimization import (
     optimizer_arguments,
     resolve,
 )
-from fusetune.workers.store import ArtifactStore
+from fusetune.workers.signature import trial_signature
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
+from fusetune.workers.store import ArtifactStore
 from fusetune.workers.training import Inbox, train_array
 from fusetune.workers.workloads import get_workload
 
