@@ -143,11 +143,12 @@ class _Replay:
         n_t = len(self.names)
         u, bundle = np.zeros(n_t), np.zeros((n_t, len(ptypes)))
         placed: set[int] = set()
-        for p in decision.placements:
-            g = self.device_type[p.device_id]
-            u[self.tix[p.tenant]] += self.curves[(p.signature, g)].rate(len(p.trial_ids)) / self.best_solo[p.signature]
-            bundle[self.tix[p.tenant], ptypes.index(g)] += 1
-            placed.update(p.trial_ids)
+        for placement in decision.placements:
+            g = self.device_type[placement.device_id]
+            rate = self.curves[(placement.signature, g)].rate(len(placement.trial_ids))
+            u[self.tix[placement.tenant]] += rate / self.best_solo[placement.signature]
+            bundle[self.tix[placement.tenant], ptypes.index(g)] += 1
+            placed.update(placement.trial_ids)
         waits = {(p.tenant, p.signature) for p in pending if p.trial_id not in placed}
         waiting_class = np.array([c in waits for c in classes], dtype=bool)
         # OEF's linear valuation per class, as in the LP: a device's best rate for it.
