@@ -5,7 +5,7 @@ The scheduling loop is played by this process's main thread, as ``benchmarks/api
 ingestion plays it: it records the neighbour's array-epochs through the coordinator's own
 ``_record_epochs`` (real ``EpochReport`` objects, one every ``--report-interval`` s), runs
 the loop's inbox between them, and takes the delete as the loop takes it
-(``Coordinator.delete``: the study hidden in one short transaction, its rows then removed by
+(``SchedulingLoop.delete``: the study hidden in one short transaction, its rows then removed by
 the purger's thread in batches of ``FUSETUNE_DELETE_BATCH_TRIALS`` trials). Measured: the
 delete's turn of the loop, the purge's length and rate, and each neighbour array-epoch's
 recording time and the gap between two of them, quiet and while the purge runs. For
@@ -69,7 +69,7 @@ def _neighbour_until(recorder: Any, array_id: int, interval: float, done: Any, b
     if before is not None:
         before()
     while True:  # at least one epoch after ``before``: its gap includes it
-        recorder.coordinator._run_inbox()  # what the purger handed back (the study's own rows)
+        recorder.coordinator.thread.run_inbox()  # what the purger handed back (the study's own rows)
         started = time.perf_counter()
         recorder.record(recorder.report(array_id))
         now = time.perf_counter()
@@ -95,9 +95,9 @@ def delete_scenario(args: argparse.Namespace) -> dict[str, Any]:
         recorder = Recorder(url, {neighbour: "neighbour"})
         recorder.add_array(neighbour, "neighbour", array_id, members)
         coordinator = recorder.coordinator
-        coordinator._purger = StudyPurger(
-            coordinator.sessions, tempfile.mkdtemp(prefix="fusetune-delete-"), coordinator.settings.delete_batch_trials,
-            finish=lambda purge: coordinator.post(lambda: coordinator._finish_delete(purge)),
+        coordinator.ctx.purger = StudyPurger(
+            coordinator.ctx.sessions, tempfile.mkdtemp(prefix="fusetune-delete-"), coordinator.settings.delete_batch_trials,
+            finish=lambda purge: coordinator.post(lambda: coordinator.lifecycle.finish_delete(purge)),
         )
         interval = args.neighbour_interval
         quiet = _neighbour_until(recorder, array_id, interval, _deadline(args.duration / 3))
@@ -109,7 +109,7 @@ def delete_scenario(args: argparse.Namespace) -> dict[str, Any]:
 
         def delete_in_a_turn() -> None:
             started = time.perf_counter()
-            coordinator.delete(doomed)
+            coordinator.lifecycle.delete(doomed)
             turn["s"] = time.perf_counter() - started
 
         during = _neighbour_until(recorder, array_id, interval, lambda: not _rows_left(url, doomed), delete_in_a_turn)

@@ -106,7 +106,7 @@ class Recorder:
     """The scheduling loop's one writer of results, as workers' reports reach it."""
 
     def __init__(self, url: str, studies: dict[int, str], tenant: str = "default") -> None:
-        from fusetune.server.coordinator import Coordinator
+        from fusetune.server.loop import SchedulingLoop
         from fusetune.server.db import Study, get_sessionmaker
         from fusetune.server.settings import Settings
 
@@ -116,7 +116,7 @@ class Recorder:
         # devices). The recording path only counts its workers; replies are not sent.
         pool = WorkerPool.__new__(WorkerPool)
         pool.workers = []
-        self.coordinator = Coordinator(Settings(database_url=url), pool)
+        self.coordinator = SchedulingLoop(Settings(database_url=url), pool)
         self.sessions = get_sessionmaker(url)
         self.tenant = tenant
         self.workers: dict[int, Any] = {}
@@ -125,12 +125,12 @@ class Recorder:
         with self.sessions() as session:
             for study_id in studies:
                 started = time.perf_counter()
-                self.coordinator._mirror_of(session, study_id)  # loaded once per process, as the loop does
+                self.coordinator.mirrors.of_id(session, study_id)  # loaded once per process, as the loop does
                 self.mirror_load_s[study_id] = time.perf_counter() - started
                 session.get(Study, study_id)
 
     def add_array(self, study_id: int, study_name: str, array_id: int, members: dict[int, int], first_step: int = 0) -> None:
-        from fusetune.server.coordinator import _Live
+        from fusetune.server.loop.state import Live
         from fusetune.workers.pool import WorkerHandle
         from fusetune.workers.spec import ArraySpec, MemberSpec
 
@@ -138,7 +138,7 @@ class Recorder:
             array_id=array_id, signature=f"sig@{study_id}", study_name=study_name, workload="digits-mlp", epochs=100,
             members=tuple(MemberSpec(t, o, 0, {}) for t, o in members.items()), prunes=False,
         )
-        self.coordinator._live[array_id] = _Live(study_id=study_id, optuna_ids=dict(members), tenant=self.tenant)
+        self.coordinator.state.live[array_id] = Live(study_id=study_id, optuna_ids=dict(members), tenant=self.tenant)
         self.workers[array_id] = WorkerHandle(name=f"bench-{array_id}", device_type="cpu", num_threads=1, actor=None, spec=spec)
         self.steps[array_id] = first_step
 
@@ -148,7 +148,7 @@ class Recorder:
 
         step = self.steps[array_id]
         self.steps[array_id] += 1
-        members = self.coordinator._live[array_id].optuna_ids
+        members = self.coordinator.state.live[array_id].optuna_ids
         return EpochReport(
             array_id=array_id,
             members=tuple(MemberReport(t, step, 0.5 + 0.4 * (1 - 1 / (step + 2)) + (t % 7) / 1000) for t in members),
@@ -157,7 +157,7 @@ class Recorder:
 
     def record(self, *reports: Any) -> None:
         """Reports that reached the loop together, written as the loop writes them."""
-        self.coordinator._record_epochs([(self.workers[r.array_id], r) for r in reports])
+        self.coordinator.recorder.record_epochs([(self.workers[r.array_id], r) for r in reports])
 
 
 # -- the pollers' process ------------------------------------------------------------------------
@@ -311,7 +311,7 @@ def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         alone = [ingest(recorder, ingest_arrays, args.ingest_epochs, together=False) for _ in range(args.ingest_rounds)]
         results["ingestion, one array at a time"] = max(alone, key=lambda r: r["points/s"])
         if args.breakdown:  # where an array-epoch's time goes: NOT the product path, parts switched off
-            import fusetune.server.coordinator as coordinator_module
+            import fusetune.server.loop.recorder as coordinator_module
             import fusetune.server.events as events_module
 
             record, touch = events_module.record, coordinator_module.touch_trials

@@ -36,7 +36,7 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         upgrade(settings.database_url)
         get_optuna_storage(settings.database_url)  # creates Optuna's tables beside ours
-        app.state.pool = app.state.coordinator = None
+        app.state.pool = app.state.loop = None
         app.state.leadership = None
         if schedule:
             # One scheduler per database (server/leader.py): this server schedules if it takes

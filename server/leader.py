@@ -148,7 +148,7 @@ class Leadership:
     def _lead(self) -> None:
         import ray
 
-        from fusetune.server.coordinator import Coordinator
+        from fusetune.server.loop import SchedulingLoop
 
         with self._guard:
             if not ray.is_initialized():
@@ -161,10 +161,10 @@ class Leadership:
                 if threading.current_thread() is threading.main_thread() and on_sigterm is not None:
                     signal.signal(signal.SIGTERM, on_sigterm)
             pool = make_pool(self.settings)
-            coordinator = Coordinator(self.settings, pool)
-            coordinator.on_fenced = self._fenced
-            coordinator.start()  # takes a new fencing epoch before it writes anything
-            self.app.state.pool, self.app.state.coordinator = pool, coordinator
+            loop = SchedulingLoop(self.settings, pool)
+            loop.on_fenced = self._fenced
+            loop.start()  # takes a new fencing epoch before it writes anything
+            self.app.state.pool, self.app.state.loop = pool, loop
             self.role = "leader"
         log.info("this server holds the scheduler lock: scheduling")
 
@@ -183,11 +183,11 @@ class Leadership:
 
     def _step_down(self) -> None:
         with self._guard:
-            coordinator, pool = self.app.state.coordinator, self.app.state.pool
-            self.app.state.coordinator = None
+            loop, pool = self.app.state.loop, self.app.state.pool
+            self.app.state.loop = None
             self.role = "standby"
-            if coordinator is not None:
-                coordinator.stop()
+            if loop is not None:
+                loop.stop()
             if pool is not None:
                 pool.shutdown()
             self.app.state.pool = None

@@ -87,10 +87,10 @@ class StateCollector:
             "fusetune_worker_utilization_ratio", "Busy workers / all workers (0 with none).",
             value=len(busy) / len(workers) if workers else 0.0,
         )
-        coordinator = getattr(state, "coordinator", None)
+        loop = getattr(state, "loop", None)
         yield CounterMetricFamily(
             "fusetune_epoch_reports", "Array-epoch reports recorded by the scheduling loop since the process started.",
-            value=coordinator.reports_ingested if coordinator is not None else 0,
+            value=loop.reports_ingested if loop is not None else 0,
         )
 
 

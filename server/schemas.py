@@ -124,8 +124,6 @@ class PrunerSpec(ComponentSpec):
     _allowed = _spec_checked(check_pruner, "PrunerSpec")
 
 
-#: The Optuna study system attr that holds a study's training settings (``TrainingSpec.to_json``).
-TRAINING_ATTR = "fusetune:training"
 #: The Optuna study system attr that says why a study FAILED (``StudyOut.error``).
 FAILURE_ATTR = "fusetune:failure"
 
@@ -490,14 +488,6 @@ class StudyOut(BaseModel):
     user_attrs: dict[str, Any] = Field(default_factory=dict, description="The Optuna study's user attrs.")
     system_attrs: dict[str, Any] = Field(default_factory=dict, description="The Optuna study's system attrs.")
     fusion_sampler: bool = True
-
-    @model_validator(mode="after")
-    def _fusion_flag_of_the_sampler_spec(self) -> StudyOut:
-        # Stored in the sampler spec ({"fusion": false} only when opted out), shown on its own.
-        if "fusion" in self.sampler:
-            self.fusion_sampler = bool(self.sampler["fusion"])
-            self.sampler = {k: v for k, v in self.sampler.items() if k != "fusion"}
-        return self
 
 
 class TrialOut(BaseModel):

@@ -19,10 +19,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
-from fusetune.server.db.engine import lock_for_write
+from fusetune.server.quotas import check_running_quota, check_trials_quota, lock_tenant
 from fusetune.server.optuna_specs import SpecError, build_for_study, default_limits
 from fusetune.server.mirror import CreatedStudy, create_study_rows
-from fusetune.server.schemas import FAILURE_ATTR, TRAINING_ATTR, ArrayOut, PruningDecision, StudyCreate, StudyOut, StudyUpdate, TrialEnqueue, TrialOut
+from fusetune.server.schemas import FAILURE_ATTR, ArrayOut, PruningDecision, StudyCreate, StudyOut, StudyUpdate, TrialEnqueue, TrialOut
 from fusetune.workers.spec import TrainingSpec
 from fusetune.workers.workloads import available_workloads, UnknownWorkloadError, get_workload
 from fusetune.server import reads
@@ -30,7 +30,7 @@ from fusetune.server.errors import Conflict, Invalid, NotFound, Unavailable
 from fusetune.server.pagination import Page, PageParams
 
 if TYPE_CHECKING:
-    from fusetune.server.coordinator import Coordinator
+    from fusetune.server.loop import SchedulingLoop
 
 # Scoping: functions that read or change a tenant's resources take ``as_tenant``, the tenant
 # the caller acts for (None: the admin, or an operator calling in-process, who see every
@@ -49,45 +49,6 @@ def _tenant_for_study(session: Session, request: StudyCreate, as_tenant: str | N
     check_trials_quota(tenant, request.n_trials)
     check_running_quota(session, tenant)
     return tenant
-
-
-def check_trials_quota(tenant: Tenant, n_trials: int) -> None:
-    """A study of ``tenant`` may have ``n_trials`` trials: Invalid naming ``n_trials`` when that
-    is over the tenant's ``max_trials_per_study``."""
-    if tenant.max_trials_per_study is not None and n_trials > tenant.max_trials_per_study:
-        raise Invalid(
-            "n_trials",
-            f"n_trials={n_trials} is over tenant {tenant.name!r}'s quota max_trials_per_study="
-            f"{tenant.max_trials_per_study}",
-        )
-
-
-def lock_tenant(session: Session, name: str) -> Tenant | None:
-    """The tenant ``name`` (None: no such tenant), locked until the transaction ends, so that
-    the quota checks and writes of its transactions run one at a time: its row on PostgreSQL
-    (``SELECT ... FOR UPDATE``), the database's write lock on SQLite, which has no row locks
-    (``db.engine.lock_for_write``)."""
-    lock_for_write(session)
-    return session.get(Tenant, name, with_for_update=True, populate_existing=True)
-
-
-def check_running_quota(session: Session, tenant: Tenant) -> None:
-    """``tenant`` may run one more study (a new one, or one that runs again): Conflict naming
-    ``max_running_studies`` when it runs as many as its quota. Lock the tenant first
-    (:func:`lock_tenant`); a caller that read it otherwise is serialised here, on SQLite too."""
-    if lock_for_write(session):  # the tenant was read before the lock: its quota may have changed
-        session.refresh(tenant)
-    if tenant.max_running_studies is not None:
-        running = session.scalar(
-            select(func.count()).select_from(Study).where(Study.tenant == tenant.name, Study.state == StudyState.RUNNING)
-        )
-        if running >= tenant.max_running_studies:
-            raise Conflict(
-                "max_running_studies",
-                f"tenant {tenant.name!r} runs {running} studies, its quota max_running_studies="
-                f"{tenant.max_running_studies}; wait for one to complete",
-                where="tenant",
-            )
 
 
 def create_study(
@@ -142,9 +103,10 @@ def create_study(
         epochs=request.epochs,
         direction=directions[0],  # the first objective's; the Optuna study holds them all
         search_space=request.search_space,
-        # The FusionSampler opt-out rides in the sampler spec, so no column: absent means on.
-        sampler={**request.sampler.model_dump(), **({} if request.fusion_sampler else {"fusion": False})},
+        sampler=request.sampler.model_dump(),
         pruner=request.pruner.model_dump() if request.pruner else None,
+        fusion_sampler=request.fusion_sampler,
+        training=_training_of(request),
         max_array_size=request.max_array_size,
         max_concurrent_trials=request.max_concurrent_trials,
         driver=request.driver,
@@ -164,18 +126,15 @@ def create_study(
 
 
 def _optuna_system_attrs(request: StudyCreate) -> dict[str, Any]:
-    """The Optuna study's system attrs: its objectives' names (what ``Study.set_metric_names``
-    stores) and the study's training settings.
+    """The Optuna study's system attrs: its objectives' names, where ``Study.metric_names``
+    reads them (so ``optuna.load_study`` shows them); nothing for a study of one metric."""
+    return {_SYSTEM_ATTR_METRIC_NAMES: list(request.metrics)} if request.metrics else {}
 
-    Nothing is stored for a study that sets none of them, so such a study looks as before.
-    """
-    attrs: dict[str, Any] = {}
-    if request.metrics:
-        attrs[_SYSTEM_ATTR_METRIC_NAMES] = list(request.metrics)  # where Study.metric_names reads them
+
+def _training_of(request: StudyCreate) -> dict[str, Any] | None:
+    """The study's training settings as its row keeps them (None: it sets none, the workload's)."""
     training = request.training_spec()
-    if training != TrainingSpec():
-        attrs[TRAINING_ATTR] = training.to_json()
-    return attrs
+    return training.to_json() if training != TrainingSpec() else None
 
 
 def list_studies(
@@ -227,9 +186,10 @@ def _study_outs(session: Session, url: str, studies: Sequence[Study]) -> list[St
 
 
 def _finish_out(out: StudyOut, study: Study) -> StudyOut:
-    """A study's failure, objectives and training settings on its ``StudyOut``, from its system attrs."""
+    """A study's failure (its Optuna system attr), objectives and training settings (its
+    configuration) on its ``StudyOut``."""
     out.error = out.system_attrs.get(FAILURE_ATTR) if study.state == StudyState.FAILED else None
-    _training_out(out, study, TrainingSpec.from_json(out.system_attrs.get(TRAINING_ATTR)))
+    _training_out(out, study, study.config.training)
     return out
 
 
@@ -319,7 +279,7 @@ def set_study_user_attr(
 def enqueue_trial(
     session: Session,
     url: str,
-    coordinator: Coordinator | None,
+    loop: SchedulingLoop | None,
     study_id: int,
     request: TrialEnqueue,
     *,
@@ -327,16 +287,16 @@ def enqueue_trial(
 ) -> TrialOut:
     """Optuna's ``study.enqueue_trial``: the study's next trial, with these params, asked at once."""
     study = _study(session, study_id, as_tenant)
-    if coordinator is None:
+    if loop is None:
         raise Unavailable("the scheduling loop is not running; trials cannot be asked")
-    trial = coordinator.call(lambda: coordinator.enqueue(study.id, request.params, request.user_attrs))
+    trial = loop.call(lambda: loop.asker.enqueue(study.id, request.params, request.user_attrs))
     return _trial_out(trial, get_optuna_storage(url).get_trial(trial.optuna_trial_id))
 
 
 def decide_pruning(
     session: Session,
     url: str,
-    coordinator: Coordinator | None,
+    loop: SchedulingLoop | None,
     trial_id: int,
     decision: PruningDecision,
     *,
@@ -346,18 +306,18 @@ def decide_pruning(
     trial = _trial(session, trial_id, as_tenant)
     if trial.study.driver != "client":
         raise Conflict("trial_id", f"trial {trial_id} belongs to a study whose own pruner decides", where="path")
-    if coordinator is None:
+    if loop is None:
         raise Unavailable("the scheduling loop is not running; no array awaits decisions")
-    coordinator.call(lambda: coordinator.decide(trial.id, decision.step, decision.prune))
+    loop.call(lambda: loop.recorder.decide(trial.id, decision.step, decision.prune))
     session.expire_all()
     return get_trial(session, url, trial_id, as_tenant=as_tenant)
 
 
-def _on_loop(coordinator: Coordinator | None, what: str) -> Coordinator:
+def _on_loop(loop: SchedulingLoop | None, what: str) -> SchedulingLoop:
     """The scheduling loop, which alone changes a running study's state (it owns the arrays)."""
-    if coordinator is None:
+    if loop is None:
         raise Unavailable(f"the scheduling loop is not running; a study cannot be {what} here")
-    return coordinator
+    return loop
 
 
 def _changed(session: Session, url: str, study_id: int, as_tenant: str | None) -> StudyOut:
@@ -366,60 +326,60 @@ def _changed(session: Session, url: str, study_id: int, as_tenant: str | None) -
 
 
 def pause_study(
-    session: Session, url: str, coordinator: Coordinator | None, study_id: int, *, as_tenant: str | None = None
+    session: Session, url: str, loop: SchedulingLoop | None, study_id: int, *, as_tenant: str | None = None
 ) -> StudyOut:
     """Pause a RUNNING study: nothing new is asked or started; its running members leave their
     arrays at the next epoch boundary, checkpointed, and wait (Conflict naming ``state`` otherwise)."""
     study = _study(session, study_id, as_tenant)
-    loop = _on_loop(coordinator, "paused")
-    loop.call(lambda: loop.pause(study.id))
+    loop = _on_loop(loop, "paused")
+    loop.call(lambda: loop.lifecycle.pause(study.id))
     return _changed(session, url, study_id, as_tenant)
 
 
 def resume_study(
-    session: Session, url: str, coordinator: Coordinator | None, study_id: int, *, as_tenant: str | None = None
+    session: Session, url: str, loop: SchedulingLoop | None, study_id: int, *, as_tenant: str | None = None
 ) -> StudyOut:
     """Run a PAUSED study again, within its tenant's ``max_running_studies``."""
     study = _study(session, study_id, as_tenant)
-    loop = _on_loop(coordinator, "resumed")
-    loop.call(lambda: loop.resume(study.id))
+    loop = _on_loop(loop, "resumed")
+    loop.call(lambda: loop.lifecycle.resume(study.id))
     return _changed(session, url, study_id, as_tenant)
 
 
 def cancel_study(
-    session: Session, url: str, coordinator: Coordinator | None, study_id: int, *, as_tenant: str | None = None
+    session: Session, url: str, loop: SchedulingLoop | None, study_id: int, *, as_tenant: str | None = None
 ) -> StudyOut:
     """Cancel a RUNNING or PAUSED study: it ends CANCELLED, its trials PRUNED or FAIL with the reason."""
     study = _study(session, study_id, as_tenant)
-    loop = _on_loop(coordinator, "cancelled")
-    loop.call(lambda: loop.cancel(study.id))
+    loop = _on_loop(loop, "cancelled")
+    loop.call(lambda: loop.lifecycle.cancel(study.id))
     return _changed(session, url, study_id, as_tenant)
 
 
 def update_study(
     session: Session,
     url: str,
-    coordinator: Coordinator | None,
+    loop: SchedulingLoop | None,
     study_id: int,
     request: StudyUpdate,
     *,
     as_tenant: str | None = None,
 ) -> StudyOut:
-    """Change a study's ``n_trials`` (see ``Coordinator.extend``)."""
+    """Change a study's ``n_trials`` (see ``Lifecycle.extend``)."""
     study = _study(session, study_id, as_tenant)
-    loop = _on_loop(coordinator, "changed")
-    loop.call(lambda: loop.extend(study.id, request.n_trials))
+    loop = _on_loop(loop, "changed")
+    loop.call(lambda: loop.lifecycle.extend(study.id, request.n_trials))
     return _changed(session, url, study_id, as_tenant)
 
 
 def delete_study(
-    session: Session, url: str, coordinator: Coordinator | None, study_id: int, *, as_tenant: str | None = None
+    session: Session, url: str, loop: SchedulingLoop | None, study_id: int, *, as_tenant: str | None = None
 ) -> StudyOut | None:
     """Delete a study: its rows, its Optuna study and its artifacts. None when it is gone
     already; else the study, DELETING until its running arrays stop at their next epoch boundary."""
     study = _study(session, study_id, as_tenant)
-    loop = _on_loop(coordinator, "deleted")
-    if loop.call(lambda: loop.delete(study.id)):
+    loop = _on_loop(loop, "deleted")
+    if loop.call(lambda: loop.lifecycle.delete(study.id)):
         return None
     try:
         return _changed(session, url, study_id, as_tenant)

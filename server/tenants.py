@@ -9,7 +9,7 @@ A token a tenant's bearer mints records the token that minted it (``ft_tokens.mi
 and revoking a token revokes every token minted from it, transitively: whoever holds a
 leaked token cannot keep access by minting spares before it is revoked. A tenant holds at
 most ``FUSETUNE_MAX_TOKENS_PER_TENANT`` live tokens. Mints and revocations of one tenant run
-one at a time (:func:`fusetune.server.service.lock_tenant`), so a token revoked while it
+one at a time (:func:`fusetune.server.quotas.lock_tenant`), so a token revoked while it
 mints either mints before (and its spare is revoked with it) or is refused after.
 """
 
@@ -25,7 +25,7 @@ from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, Tena
 from fusetune.server.pagination import NAME_CURSOR, Page, PageParams
 from fusetune.server.reads import id_page, keyset_page
 from fusetune.server.errors import Conflict, NotFound
-from fusetune.server.service import lock_tenant
+from fusetune.server.quotas import lock_tenant
 
 
 def list_tenants(session: Session, *, page: PageParams = PageParams(), as_tenant: str | None = None) -> Page[TenantOut]:

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from fusetune.server import service
-from fusetune.server.coordinator import Coordinator
+from fusetune.server.loop import SchedulingLoop
 from fusetune.server.db import Array, Event, Study, StudyState, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
@@ -54,12 +54,12 @@ def test_a_pruned_members_slot_goes_to_a_waiting_trial_at_the_next_epoch_boundar
                     for a in session.scalars(sa.select(Array).where(Array.study_id == study_id).order_by(Array.id))]
 
     try:
-        coordinator = Coordinator(settings, pool)
+        coordinator = SchedulingLoop(settings, pool)
         coordinator.setup()
         coordinator.step()  # the first four trials start as one array
         [(first, size, founders)] = arrays()
         assert size == 4
-        coordinator._handle(next_events())  # epoch 0: two members learned nothing and are pruned
+        coordinator.handle(next_events())  # epoch 0: two members learned nothing and are pruned
         coordinator.step()  # asks the next trials...
         coordinator.step()  # ...and offers two of them to the running array
         [(_, size, members)] = arrays()
@@ -86,19 +86,19 @@ def run_by_hand(settings: Settings, study_id: int, name_prefix: str) -> None:
     until the study is COMPLETE."""
     pool = WorkerPool(cpu_workers=settings.cpu_workers, name_prefix=name_prefix)
     try:
-        coordinator = Coordinator(settings, pool)
+        coordinator = SchedulingLoop(settings, pool)
         coordinator.setup()
         _step_until_complete(coordinator, pool, settings.database_url, study_id)
     finally:
         pool.shutdown()
 
 
-def _step_until_complete(coordinator: Coordinator, pool: WorkerPool, url: str, study_id: int) -> None:
+def _step_until_complete(coordinator: SchedulingLoop, pool: WorkerPool, url: str, study_id: int) -> None:
     deadline = time.monotonic() + 300
     while _state(url, study_id) != StudyState.COMPLETE:
         assert time.monotonic() < deadline, "the study did not complete"
         coordinator.step()
-        coordinator._handle(pool.wait(0.5))
+        coordinator.handle(pool.wait(0.5))
 
 
 def _state(url: str, study_id: int) -> StudyState:

@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import select
 
 from fusetune.server import service
-from fusetune.server.coordinator import Coordinator
+from fusetune.server.loop import SchedulingLoop
 from fusetune.server.db import Trial, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
@@ -55,7 +55,7 @@ def test_a_report_that_cannot_be_written_costs_only_itself(ray_cluster: str, dat
     good, bad = _study(url, "isolation-good"), _study(url, "isolation-bad")
     pool = WorkerPool(cpu_workers=2, name_prefix="isolation")
     try:
-        coordinator = Coordinator(settings, pool)
+        coordinator = SchedulingLoop(settings, pool)
         coordinator.setup()
         coordinator.step()  # each study's two trials start as one array, one per worker
         assert not pool.idle(), "the arrays did not start"
@@ -65,29 +65,29 @@ def test_a_report_that_cannot_be_written_costs_only_itself(ray_cluster: str, dat
             assert time.monotonic() < deadline, "the workers did not report"
             events += pool.wait(1.0)
         assert all(isinstance(item, EpochReport) for _, _, item in events)
-        mirrors = {study_id: coordinator._mirrors[study_id] for study_id in (good, bad)}
+        mirrors = {study_id: coordinator.mirrors.loaded(study_id) for study_id in (good, bad)}
         with get_sessionmaker(url)() as session:
             foreign = session.scalar(select(Trial.id).where(Trial.study_id == good).limit(1))
         poisoned = []
         for worker, spec, report in events:
-            if coordinator._live[report.array_id].study_id == bad:
+            if coordinator.state.live[report.array_id].study_id == bad:
                 # The bad study's worker also reports a trial of the good study's array.
                 report = dataclasses.replace(report, members=(*report.members, MemberReport(foreign, 0, 0.5)))
             poisoned.append((worker, spec, report))
 
-        coordinator._handle(poisoned)  # what the loop does with reports that came together
+        coordinator.handle(poisoned)  # what the loop does with reports that came together
 
         stored = _reported(url, "isolation-good")
         assert all(0 in values for values in stored.values()), stored  # the good report was written...
         assert all(values == {} for values in _reported(url, "isolation-bad").values())  # ...the bad one not at all
         # Neither study's mirror was dropped to be read again whole...
-        assert all(coordinator._mirrors.get(study_id) is mirror for study_id, mirror in mirrors.items())
+        assert all(coordinator.mirrors.loaded(study_id) is mirror for study_id, mirror in mirrors.items())
         # ...and the bad study's mirror holds what the database holds: its trials were read again.
-        bad_mirror = coordinator._fresh(bad)  # its stale trials are read as it is next used
+        bad_mirror = coordinator.mirrors.fresh(bad)  # its stale trials are read as it is next used
         for trial in optuna.load_study(study_name="isolation-bad", storage=url).get_trials(deepcopy=False):
             held = bad_mirror.trial(trial._trial_id)
             assert (held.state, held.intermediate_values) == (trial.state, trial.intermediate_values)
-        good_mirror = coordinator._fresh(good)
+        good_mirror = coordinator.mirrors.fresh(good)
         for trial in optuna.load_study(study_name="isolation-good", storage=url).get_trials(deepcopy=False):
             assert good_mirror.trial(trial._trial_id).intermediate_values == trial.intermediate_values
     finally:

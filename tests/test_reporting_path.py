@@ -23,7 +23,7 @@ from sqlalchemy import Engine, event, select
 
 from fusetune.scheduler import fit_points
 from fusetune.server import service
-from fusetune.server.coordinator import Coordinator
+from fusetune.server.loop import SchedulingLoop
 from fusetune.server.db import Array, Study, StudyState, Throughput, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
@@ -69,12 +69,12 @@ class WriteTransactions:
                 event.remove(Engine, name, fn)
 
 
-def _step_until(coordinator: Coordinator, done, what: str, timeout: float = 180) -> None:  # noqa: ANN001
+def _step_until(coordinator: SchedulingLoop, done, what: str, timeout: float = 180) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         coordinator.step()
-        coordinator._handle(coordinator.pool.wait(0.5))  # the loop thread's wait for the next report
+        coordinator.handle(coordinator.pool.wait(0.5))  # the loop thread's wait for the next report
 
 
 def _study_state(url: str, name: str) -> StudyState:
@@ -93,7 +93,7 @@ def test_each_array_epoch_is_one_transaction_with_every_members_value(ray_cluste
                                                                  name="txn", search_space=ONE_SHAPE))
     pool = WorkerPool(cpu_workers=1, name_prefix="txn")
     try:
-        coordinator = Coordinator(settings, pool)
+        coordinator = SchedulingLoop(settings, pool)
         coordinator.setup()
         coordinator.step()  # asks the 4 trials and starts their array
         assert not pool.idle(), "the array did not start"
@@ -147,7 +147,7 @@ def test_reports_that_arrive_together_are_written_together_and_a_bad_one_costs_o
         ))
     pool = WorkerPool(cpu_workers=2, name_prefix="together")
     try:
-        coordinator = Coordinator(settings, pool)
+        coordinator = SchedulingLoop(settings, pool)
         coordinator.setup()
         coordinator.step()  # two arrays of two, one per worker
         assert pool.idle() == [], "both arrays should have started"
@@ -159,7 +159,7 @@ def test_reports_that_arrive_together_are_written_together_and_a_bad_one_costs_o
         # Both arrays' first reports reach the loop in one wait: one transaction writes them.
         first = _reports_of_both_arrays(pool)
         with WriteTransactions().counting() as writes:
-            coordinator._handle(first)
+            coordinator.handle(first)
         assert len([w for w in writes.committed if "ft_arrays" in w]) == 1, writes.committed
         assert sorted(arrays().values()) == [1, 1]
 
@@ -169,7 +169,7 @@ def test_reports_that_arrive_together_are_written_together_and_a_bad_one_costs_o
         worker, spec, report = second[0]
         stray = (worker, spec, dataclasses.replace(report, array_id=10**6))
         with WriteTransactions().counting() as writes:
-            coordinator._handle([second[0], stray, second[1]])
+            coordinator.handle([second[0], stray, second[1]])
         assert len([w for w in writes.committed if "ft_arrays" in w]) == 2, writes.committed
         assert sorted(arrays().values()) == [2, 2]
 
@@ -219,7 +219,7 @@ def test_a_restarted_service_sizes_arrays_from_what_earlier_arrays_measured(ray_
 
     pool = WorkerPool(cpu_workers=1, name_prefix="restart")
     try:
-        first = Coordinator(settings, pool)
+        first = SchedulingLoop(settings, pool)
         first.setup()
         submit("before", epochs=2)
         first.step()
@@ -231,7 +231,7 @@ def test_a_restarted_service_sizes_arrays_from_what_earlier_arrays_measured(ray_
 
         # A new process on the same database: the same shapes are known, nothing is measured
         # again, though this study trains for other epochs.
-        second = Coordinator(settings, pool)
+        second = SchedulingLoop(settings, pool)
         second.setup()
         submit("after", epochs=3)
         second.step()

@@ -1,6 +1,6 @@
 """Two tenants share a local Ray's CPU workers in proportion to their weights.
 
-The live scheduling loop (``server.coordinator.Coordinator``) is stepped by hand here, so the
+The live scheduling loop (``server.loop.SchedulingLoop``) is stepped by hand here, so the
 first round sees both tenants' trials at once; it calls the same ``scheduler.Scheduler`` that
 the trace-driven simulator runs.
 """
@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from fusetune.server import service
-from fusetune.server.coordinator import Coordinator
+from fusetune.server.loop import SchedulingLoop
 from fusetune.server.db import Throughput, Array, Study, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate, TenantCreate
 from fusetune.server.settings import Settings
@@ -46,7 +46,7 @@ def test_devices_are_shared_by_weight(ray_cluster: str, tmp_path: Path) -> None:
     pool = WorkerPool(cpu_workers=4, name_prefix="tenants")
     try:
         assert len(pool.workers) == 4
-        coordinator = Coordinator(settings, pool)
+        coordinator = SchedulingLoop(settings, pool)
         coordinator.setup()
         coordinator.step()  # both tenants have 16 waiting trials: 4 arrays of 4 each could run
 
@@ -97,7 +97,7 @@ def test_a_tenant_arriving_later_preempts_at_an_epoch_boundary_and_the_preempted
                                                        name="early", search_space=ONE_SHAPE))
     pool = WorkerPool(cpu_workers=1, name_prefix="preempt")
     try:
-        coordinator = Coordinator(settings, pool)
+        coordinator = SchedulingLoop(settings, pool)
         coordinator.setup()
 
         def reported(name: str) -> list[int]:

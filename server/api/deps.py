@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
@@ -27,6 +29,9 @@ from sqlalchemy.orm import Session
 from fusetune.server.auth import Principal, principal_for
 from fusetune.server.db import retry_disconnected
 from fusetune.server.settings import Settings
+
+if TYPE_CHECKING:
+    from fusetune.server.loop import SchedulingLoop
 
 # Dependencies that do no I/O are coroutines: FastAPI runs a plain function in its threadpool,
 # a hand-off to a thread and back per dependency and request, which under 200 pollers cost
@@ -146,3 +151,18 @@ async def require_admin(principal: Principal = Depends(authenticate)) -> Princip
     if not principal.is_admin:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "only the admin (FUSETUNE_ADMIN_TOKEN) may do this")
     return principal
+
+
+async def get_loop(request: Request) -> SchedulingLoop | None:
+    """This server's scheduling loop; None when it runs the API alone or stands by."""
+    return request.app.state.loop
+
+
+# The routes' typed dependencies, as FastAPI's full-stack template writes them: a parameter
+# annotated with one of these gets its value from the request.
+SessionDep = Annotated[Session, Depends(get_session)]
+UrlDep = Annotated[str, Depends(get_url)]
+PrincipalDep = Annotated[Principal, Depends(authenticate)]
+AdminDep = Annotated[Principal, Depends(require_admin)]
+SettingsDep = Annotated[Settings, Depends(get_app_settings)]
+LoopDep = Annotated["SchedulingLoop | None", Depends(get_loop)]

@@ -26,7 +26,7 @@ from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from fusetune.server import events, service
-from fusetune.server.api.deps import SessionRoute, authenticate, bearer, get_session
+from fusetune.server.api.deps import PrincipalDep, SessionDep, SessionRoute, authenticate, bearer
 from fusetune.server.api.errors import MAX_EVENT_ID, ErrorMessage, StudyId
 from fusetune.server.auth import Principal, principal_for
 from fusetune.server.params import BOOLEAN, DECIMAL
@@ -183,15 +183,15 @@ def _respond(
 
 @router.get("/studies/{study_id}/events", response_class=_DOCUMENTED_AS, responses=_STREAM, tags=["events"])
 def study_events(
+    principal: PrincipalDep,
+    session: SessionDep,
     request: Request,
     study_id: StudyId,
     after: After = None,  # type: ignore[assignment]
     follow: Follow = True,
     kind: list[EventKind] | None = Kind,
     last_event_id: LastEventId = None,  # type: ignore[assignment]
-    principal: Principal = Depends(authenticate),
     credentials: HTTPAuthorizationCredentials = Depends(bearer),
-    session: Session = Depends(get_session),
 ) -> EventSourceResponse:
     """The study's events as they happen: trial asked, started, reported, ended; array started, changed, ended."""
     service._study(session, study_id, principal.tenant)  # another tenant's reads as missing: 404
@@ -202,14 +202,14 @@ def study_events(
 
 @router.get("/events", response_class=_DOCUMENTED_AS, responses=_STREAM, tags=["events"])
 def tenant_events(
+    principal: PrincipalDep,
+    session: SessionDep,
     request: Request,
     after: After = None,  # type: ignore[assignment]
     follow: Follow = True,
     kind: list[EventKind] | None = Kind,
     last_event_id: LastEventId = None,  # type: ignore[assignment]
-    principal: Principal = Depends(authenticate),
     credentials: HTTPAuthorizationCredentials = Depends(bearer),
-    session: Session = Depends(get_session),
 ) -> EventSourceResponse:
     """Every event of the token's tenant (the admin's token: of every tenant), as they happen."""
     start = _start(session, last_event_id, after)

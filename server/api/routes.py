@@ -15,15 +15,13 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session
 
 from fusetune.server import service
 from fusetune.server.errors import Unavailable
-from fusetune.server.api.deps import SessionRoute, authenticate, get_app_settings, get_session, get_url
+from fusetune.server.api.deps import LoopDep, PrincipalDep, SessionDep, SessionRoute, SettingsDep, UrlDep, authenticate
 from fusetune.server.api.errors import CONFLICT, MAX_ID, UNAVAILABLE, StudyId, TrialId
 from fusetune.server.api.links import answers, links
 from fusetune.server.params import DECIMAL
-from fusetune.server.auth import Principal
 from fusetune.server.schemas import (
     ArrayOut,
     AttrValue,
@@ -35,7 +33,6 @@ from fusetune.server.schemas import (
     TrialEnqueue,
     TrialOut,
 )
-from fusetune.server.settings import Settings
 from fusetune.server.curves import MIN_POINTS
 from fusetune.server.db import ArrayState, StudyState, TrialState
 from fusetune.server.pagination import ID_CURSOR, LINK_HEADER, TRIAL_CURSOR, PageParams, json_page, page_params, paged
@@ -55,18 +52,17 @@ TRIAL_LINKS = {"links": links(trial="$response.body#/id")}
     responses=answers(CONFLICT, {201: STUDY_LINKS}),
 )
 def create_study(
+    loop: LoopDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
+    session: SessionDep,
+    url: UrlDep,
     body: StudyCreate,
-    request: Request,
-    principal: Principal = Depends(authenticate),
-    settings: Settings = Depends(get_app_settings),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> StudyOut:
     """Start a tuning study; its trials are asked, fused into arrays and trained in the background."""
-    coordinator = getattr(request.app.state, "coordinator", None)
     return service.create_study(
         session, url, body, as_tenant=principal.tenant, allow_workload_imports=settings.allow_workload_imports,
-        created=coordinator.adopt if coordinator is not None else None,  # schedule it now, not at the next poll
+        created=loop.adopt if loop is not None else None,  # schedule it now, not at the next poll
     )
 
 
@@ -86,6 +82,9 @@ MaxPoints = Annotated[int | None, Query(
     responses=answers(PAGED, {200: {"links": links(study="$response.body#/0/id")}}),
 )
 def list_studies(
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     request: Request,
     response: Response,
     tenant: str | None = Query(
@@ -98,9 +97,6 @@ def list_studies(
     state: list[StudyState] | None = Query(None, description="Only studies in these states (repeat the parameter)."),
     sort: IdSort = Query("id", description="By id, oldest first (`id`) or newest first (`-id`)."),
     page: PageParams = Depends(page_params(ID_CURSOR)),
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> list[StudyOut]:
     """A page of studies, with their trial counts and best trial (computed in SQL for the page)."""
     found = service.list_studies(session, url, tenant, name, states=state, sort=sort, page=page, as_tenant=principal.tenant)
@@ -109,10 +105,10 @@ def list_studies(
 
 @router.get("/studies/{study_id}", response_model=StudyOut, tags=["studies"], responses={200: STUDY_LINKS})
 def get_study(
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     study_id: StudyId,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> StudyOut:
     return service.get_study(session, url, study_id, as_tenant=principal.tenant)
 
@@ -122,6 +118,9 @@ def get_study(
     responses=answers(PAGED, {200: {"links": links(trial="$response.body#/0/id")}}),
 )
 def list_trials(
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     study_id: StudyId,
     request: Request,
     state: list[TrialState] | None = Query(None, description="Only trials in these states (repeat the parameter)."),
@@ -137,9 +136,6 @@ def list_trials(
     ), DECIMAL] = None,
     max_points: MaxPoints = None,
     page: PageParams = Depends(page_params(TRIAL_CURSOR)),
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> Response:
     """A page of the study's trials: params, state, per-epoch validation metric, final value, array, revision."""
     found = service.list_trials(
@@ -151,11 +147,11 @@ def list_trials(
 
 @router.get("/trials/{trial_id}", response_model=TrialOut, tags=["trials"], responses={200: TRIAL_LINKS})
 def get_trial(
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     trial_id: TrialId,
     max_points: MaxPoints = None,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> TrialOut:
     """One trial: params and their distributions, state, values, intermediate values, attrs."""
     return service.get_trial(session, url, trial_id, max_points=max_points, as_tenant=principal.tenant)
@@ -174,10 +170,10 @@ def get_trial(
     },
 )
 def download_state_dict(
+    principal: PrincipalDep,
+    settings: SettingsDep,
+    session: SessionDep,
     trial_id: TrialId,
-    principal: Principal = Depends(authenticate),
-    settings: Settings = Depends(get_app_settings),
-    session: Session = Depends(get_session),
 ) -> FileResponse:
     """The state_dict a COMPLETE trial was saved with (404 when it has none)."""
     roots = [settings.artifact_dir]
@@ -193,31 +189,29 @@ def download_state_dict(
     responses=answers(CONFLICT, {201: TRIAL_LINKS}),
 )
 def enqueue_trial(
+    loop: LoopDep,
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     study_id: StudyId,
     body: TrialEnqueue,
-    request: Request,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> TrialOut:
     """Optuna's ``enqueue_trial``: the study's next trial has these params; it counts in ``n_trials``."""
-    coordinator = getattr(request.app.state, "coordinator", None)
-    return service.enqueue_trial(session, url, coordinator, study_id, body, as_tenant=principal.tenant)
+    return service.enqueue_trial(session, url, loop, study_id, body, as_tenant=principal.tenant)
 
 
 @router.post("/trials/{trial_id}/pruning", response_model=TrialOut, tags=["trials"], responses=answers(CONFLICT, {200: TRIAL_LINKS}))
 def decide_pruning(
+    loop: LoopDep,
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     trial_id: TrialId,
     body: PruningDecision,
-    request: Request,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> TrialOut:
     """A client-driven study's ``should_prune`` answer for the trial's value at ``step``;
     the trial's array goes on once each member has its answer."""
-    coordinator = getattr(request.app.state, "coordinator", None)
-    return service.decide_pruning(session, url, coordinator, trial_id, body, as_tenant=principal.tenant)
+    return service.decide_pruning(session, url, loop, trial_id, body, as_tenant=principal.tenant)
 
 
 class TextConvertor(Convertor[str]):
@@ -239,15 +233,15 @@ register_url_convertor("text", TextConvertor())
 
 @router.put("/studies/{study_id}/user_attrs/{key:text}", response_model=StudyOut, tags=["studies"], responses={200: STUDY_LINKS})
 def set_study_user_attr(
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     study_id: StudyId,
     body: AttrValue,
     key: str = Path(
         min_length=1, max_length=512, pattern=r"^[^\x00]+$",
         description="Any text but NUL, percent-encoded as one path segment (a `/` as `%2F`).",
     ),
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> StudyOut:
     """Optuna's ``study.set_user_attr(key, value)``."""
     return service.set_study_user_attr(session, url, study_id, key, body.value, as_tenant=principal.tenant)
@@ -259,60 +253,56 @@ def set_study_user_attr(
 
 @router.post("/studies/{study_id}/pause", response_model=StudyOut, tags=["studies"], responses=answers(CONFLICT, {200: STUDY_LINKS}))
 def pause_study(
+    loop: LoopDep,
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     study_id: StudyId,
-    request: Request,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> StudyOut:
     """Pause a RUNNING study: nothing new is asked or started, and its running trials leave their
     arrays at the next epoch boundary, checkpointed, to wait (409 naming `state` otherwise)."""
-    coordinator = getattr(request.app.state, "coordinator", None)
-    return service.pause_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
+    return service.pause_study(session, url, loop, study_id, as_tenant=principal.tenant)
 
 
 @router.post("/studies/{study_id}/resume", response_model=StudyOut, tags=["studies"], responses=answers(CONFLICT, {200: STUDY_LINKS}))
 def resume_study(
+    loop: LoopDep,
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     study_id: StudyId,
-    request: Request,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> StudyOut:
     """Run a PAUSED study again; its trials resume from their checkpoints (409 naming `state`, or
     the tenant's `max_running_studies`)."""
-    coordinator = getattr(request.app.state, "coordinator", None)
-    return service.resume_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
+    return service.resume_study(session, url, loop, study_id, as_tenant=principal.tenant)
 
 
 @router.post("/studies/{study_id}/cancel", response_model=StudyOut, tags=["studies"], responses=answers(CONFLICT, {200: STUDY_LINKS}))
 def cancel_study(
+    loop: LoopDep,
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     study_id: StudyId,
-    request: Request,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> StudyOut:
     """Cancel a RUNNING or PAUSED study: it ends CANCELLED; waiting trials end now, running ones at
     their array's next epoch boundary, PRUNED (or FAIL if they never reported) with the reason in
     `error`; `completed_at` is set once none runs."""
-    coordinator = getattr(request.app.state, "coordinator", None)
-    return service.cancel_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
+    return service.cancel_study(session, url, loop, study_id, as_tenant=principal.tenant)
 
 
 @router.patch("/studies/{study_id}", response_model=StudyOut, tags=["studies"], responses=answers(CONFLICT, {200: STUDY_LINKS}))
 def update_study(
+    loop: LoopDep,
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     study_id: StudyId,
     body: StudyUpdate,
-    request: Request,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> StudyOut:
     """Set `n_trials`: more trials for a running, paused or COMPLETE study (which runs again), never
     fewer than it has asked (409), within the tenant's `max_trials_per_study` (422)."""
-    coordinator = getattr(request.app.state, "coordinator", None)
-    return service.update_study(session, url, coordinator, study_id, body, as_tenant=principal.tenant)
+    return service.update_study(session, url, loop, study_id, body, as_tenant=principal.tenant)
 
 
 @router.delete(
@@ -330,15 +320,14 @@ def update_study(
     },
 )
 def delete_study(
+    loop: LoopDep,
+    principal: PrincipalDep,
+    session: SessionDep,
+    url: UrlDep,
     study_id: StudyId,
-    request: Request,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    url: str = Depends(get_url),
 ) -> Response:
     """Delete a study: fusetune's rows, the Optuna study and its artifact folder."""
-    coordinator = getattr(request.app.state, "coordinator", None)
-    study = service.delete_study(session, url, coordinator, study_id, as_tenant=principal.tenant)
+    study = service.delete_study(session, url, loop, study_id, as_tenant=principal.tenant)
     if study is None:
         return Response(status_code=status.HTTP_204_NO_CONTENT)
     return JSONResponse(jsonable_encoder(study), status_code=status.HTTP_202_ACCEPTED)
@@ -349,6 +338,8 @@ def delete_study(
     responses=answers(PAGED, {200: {"links": links(study="$response.body#/0/study_id", trial="$response.body#/0/trial_ids/0")}}),
 )
 def list_arrays(
+    principal: PrincipalDep,
+    session: SessionDep,
     request: Request,
     response: Response,
     study_id: Annotated[int | None, Query(ge=1, le=MAX_ID), DECIMAL] = None,
@@ -359,8 +350,6 @@ def list_arrays(
     ),
     sort: IdSort = Query("id", description="By id, oldest first (`id`) or newest first (`-id`)."),
     page: PageParams = Depends(page_params(ID_CURSOR)),
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
 ) -> list[ArrayOut]:
     """A page of fused arrays, optionally of one study: members, worker, progress and measured throughput."""
     found = service.list_arrays(
@@ -370,7 +359,7 @@ def list_arrays(
 
 
 @health_router.get("/healthz", response_model=Health, tags=["health"], responses=UNAVAILABLE)
-def healthz(request: Request, session: Session = Depends(get_session)) -> Health:
+def healthz(request: Request, session: SessionDep) -> Health:
     """200 while the database answers; 503 naming the reason when it does not."""
     try:
         session.execute(text("SELECT 1"))

@@ -9,16 +9,14 @@ minted with a tenant's token dies with it (``server/tenants.py``); a tenant hold
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
-from sqlalchemy.orm import Session
 
 from fusetune.server import tenants
-from fusetune.server.api.deps import SessionRoute, authenticate, get_app_settings, get_session, require_admin
+from fusetune.server.api.deps import PrincipalDep, SessionDep, SessionRoute, SettingsDep, authenticate, require_admin
 from fusetune.server.api.errors import CONFLICT, TokenId
 from fusetune.server.api.links import answers, links
-from fusetune.server.auth import Principal, TokenRevoked
+from fusetune.server.auth import TokenRevoked
 from fusetune.server.pagination import ID_CURSOR, LINK_HEADER, NAME_CURSOR, PageParams, page_params, paged
 from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreate, TokenCreated, TokenOut
-from fusetune.server.settings import Settings
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route_class=SessionRoute)
 
@@ -30,11 +28,11 @@ TenantName = Path(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9
     responses={200: {"headers": LINK_HEADER, "links": links(tenant="$response.body#/0/name")}},
 )
 def list_tenants(
+    principal: PrincipalDep,
+    session: SessionDep,
     request: Request,
     response: Response,
     page: PageParams = Depends(page_params(NAME_CURSOR)),
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
 ) -> list[TenantOut]:
     """A page of tenants by name: every tenant for the admin; a tenant's token lists its own tenant only."""
     return paged(tenants.list_tenants(session, page=page, as_tenant=principal.tenant), request, response)
@@ -45,7 +43,7 @@ def list_tenants(
     dependencies=[Depends(require_admin)],
     responses=answers(CONFLICT, {201: {"links": links(tenant="$response.body#/tenant/name", token="$response.body#/token/id")}}),
 )
-def create_tenant(body: TenantCreate, session: Session = Depends(get_session)) -> TenantCreated:
+def create_tenant(body: TenantCreate, session: SessionDep) -> TenantCreated:
     """Create a tenant (admin only). The answer holds its first token, shown this once."""
     return tenants.create_tenant(session, body)
 
@@ -54,7 +52,7 @@ def create_tenant(body: TenantCreate, session: Session = Depends(get_session)) -
     "/tenants/{name}", response_model=TenantOut, tags=["tenants"], dependencies=[Depends(require_admin)],
     responses=answers(CONFLICT, {200: {"links": links(tenant="$response.body#/name")}}),
 )
-def update_tenant(body: TenantUpdate, name: str = TenantName, session: Session = Depends(get_session)) -> TenantOut:
+def update_tenant(body: TenantUpdate, session: SessionDep, name: str = TenantName) -> TenantOut:
     """Change a tenant's weight (its share of the devices when tenants compete) or quotas (admin only)."""
     return tenants.update_tenant(session, name, body)
 
@@ -64,12 +62,12 @@ def update_tenant(body: TenantUpdate, name: str = TenantName, session: Session =
     responses={200: {"headers": LINK_HEADER, "links": links(token="$response.body#/0/id")}},
 )
 def list_tokens(
+    principal: PrincipalDep,
+    session: SessionDep,
     request: Request,
     response: Response,
     name: str = TenantName,
     page: PageParams = Depends(page_params(ID_CURSOR)),
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
 ) -> list[TokenOut]:
     """A page of a tenant's tokens (their ids, labels and dates; never the tokens)."""
     return paged(tenants.list_tokens(session, name, page=page, as_tenant=principal.tenant), request, response)
@@ -80,11 +78,11 @@ def list_tokens(
     responses=answers(CONFLICT, {201: {"links": links(token="$response.body#/id")}}),
 )
 def create_token(
+    principal: PrincipalDep,
+    session: SessionDep,
+    settings: SettingsDep,
     body: TokenCreate | None = None,
     name: str = TenantName,
-    principal: Principal = Depends(authenticate),
-    session: Session = Depends(get_session),
-    settings: Settings = Depends(get_app_settings),
 ) -> TokenCreated:
     """Another token for the tenant, shown this once (the admin, or the tenant for itself).
 
@@ -106,7 +104,7 @@ def create_token(
 
 @router.delete("/tokens/{token_id}", response_model=TokenOut, tags=["tenants"])
 def revoke_token(
-    token_id: TokenId, principal: Principal = Depends(authenticate), session: Session = Depends(get_session)
+    token_id: TokenId, principal: PrincipalDep, session: SessionDep
 ) -> TokenOut:
     """Revoke a token (the admin, or the tenant for its own), and every token minted from it,
     transitively; none of them authenticates anything after."""

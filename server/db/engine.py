@@ -86,14 +86,14 @@ def get_sessionmaker(url: str) -> sessionmaker[Session]:
 
 @lru_cache(maxsize=8)
 def get_loop_sessionmaker(url: str) -> sessionmaker[Session]:
-    """Sessions for the scheduling loop (``server.coordinator``): like :func:`get_sessionmaker`,
+    """Sessions for the scheduling loop (``server.loop``): like :func:`get_sessionmaker`,
     but on PostgreSQL without the pre-ping.
 
     The loop writes every array-epoch, and a sweep's start and end, in transactions of their
     own: a pre-ping is a round trip more for each, on the sweep's critical path. The loop
     needs no ping: a statement on a connection that died fails as the database being
     unavailable, which the loop retries on the next round with what it was writing kept
-    (``Coordinator._handle``), and the failure invalidates the pool's older connections.
+    (``Recorder.handle``), and the failure invalidates the pool's older connections.
     SQLite has no ping to drop: the loop shares the service's engine there.
     """
     if not url.startswith("postgresql"):

@@ -8,13 +8,16 @@ fusetune trial points at its Optuna trial.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ColumnElement, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, func, or_, select
+from sqlalchemy import JSON, BigInteger, Boolean, ColumnElement, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, func, or_, select, true
 from sqlalchemy.ext.hybrid import hybrid_property
 from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
+
+from fusetune.workers.spec import TrainingSpec
 
 
 def utcnow() -> datetime:
@@ -140,6 +143,25 @@ class Token(Base):
     )
 
 
+@dataclass(frozen=True)
+class StudyConfig:
+    """A study's configuration, as its request chose it: one typed record, kept in one place
+    (its ``ft_studies`` row) and read whole by the scheduling loop. Its sampler and pruner are
+    specs (``{"name", "kwargs"}``); its training settings the workers' own record."""
+
+    workload: str
+    n_trials: int
+    epochs: int
+    search_space: dict[str, Any] | None
+    sampler: dict[str, Any]
+    pruner: dict[str, Any] | None
+    fusion_sampler: bool
+    training: TrainingSpec
+    max_array_size: int | None
+    max_concurrent_trials: int | None
+    driver: str
+
+
 class Study(Base):
     """A tuning study: which workload, how many trials, and how to sample and prune them."""
 
@@ -157,6 +179,10 @@ class Study(Base):
     search_space: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     sampler: Mapped[dict[str, Any]] = mapped_column(JSON)
     pruner: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    #: Whether the sampler is wrapped in FusionSampler (the request's ``fusion_sampler``).
+    fusion_sampler: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    #: How its trials train, as its request chose (``workers.spec.TrainingSpec.to_json``); None: the workload's.
+    training: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     max_array_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: Most trials asked and not finished at once (None: enough to fill the workers' arrays).
     max_concurrent_trials: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -168,6 +194,16 @@ class Study(Base):
     completed_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
     trials: Mapped[list[Trial]] = relationship(back_populates="study", order_by="Trial.number")
+
+    @property
+    def config(self) -> StudyConfig:
+        """The study's configuration as one typed record: what its request chose."""
+        return StudyConfig(
+            workload=self.workload, n_trials=self.n_trials, epochs=self.epochs, search_space=self.search_space,
+            sampler=dict(self.sampler), pruner=dict(self.pruner) if self.pruner else None, fusion_sampler=self.fusion_sampler,
+            training=TrainingSpec.from_json(self.training), max_array_size=self.max_array_size,
+            max_concurrent_trials=self.max_concurrent_trials, driver=self.driver,
+        )
 
     @hybrid_property
     def visible(self) -> bool:

@@ -7,7 +7,7 @@ import os
 import pytest
 import sqlalchemy as sa
 
-from fusetune.server.coordinator import database_unavailable
+from fusetune.server.loop.thread import database_unavailable
 from fusetune.server.db import get_loop_sessionmaker, get_sessionmaker
 from tests.conftest import POSTGRES_ENV
 

@@ -1,6 +1,6 @@
 """The service asks a study's trials through FusionSampler unless the study opts out.
 
-``coordinator.study_sampler`` is what the scheduling loop builds each study's mirror with;
+``loop.mirrors.study_sampler`` is what the scheduling loop builds each study's mirror with;
 the trials it asks, written to the database through the mirror, come out in groups whose
 members share the workload's non-fusible params.
 """
@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from fusetune.client.samplers import FusionSampler, fusion_group
 from fusetune.server import service
-from fusetune.server.coordinator import study_sampler
+from fusetune.server.loop.mirrors import study_sampler
 from fusetune.server.db import Study, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.schemas import StudyCreate
@@ -68,14 +68,16 @@ def test_service_studies_sample_with_fusion_sampler_unless_they_opt_out(url: str
     assert isinstance(plain, optuna.samplers.TPESampler)
 
 
-def test_the_flag_is_stored_in_the_sampler_spec_and_shown(url: str) -> None:
+def test_the_flag_is_stored_with_the_study_s_configuration_and_shown(url: str) -> None:
+    """The opt-out is a column of the study's configuration (it rode in the sampler spec
+    before migration 0015); the sampler spec is the sampler's alone."""
     with get_sessionmaker(url)() as session:
         on = service.create_study(session, url, StudyCreate(workload="digits-mlp", n_trials=2, name="on"))
         off = service.create_study(session, url, StudyCreate(workload="digits-mlp", n_trials=2, name="off", fusion_sampler=False))
         assert (on.fusion_sampler, off.fusion_sampler) == (True, False)
         assert on.sampler == off.sampler == {"name": "TPESampler", "kwargs": {}}
-        rows = {s.name: s.sampler for s in session.scalars(select(Study))}
-        assert rows == {"on": {"name": "TPESampler", "kwargs": {}}, "off": {"name": "TPESampler", "kwargs": {}, "fusion": False}}
+        rows = {s.name: (s.sampler, s.config.fusion_sampler) for s in session.scalars(select(Study))}
+        assert rows == {"on": ({"name": "TPESampler", "kwargs": {}}, True), "off": ({"name": "TPESampler", "kwargs": {}}, False)}
         assert service.get_study(session, url, off.id).fusion_sampler is False
 
 

@@ -302,7 +302,7 @@ def bomb_stored_before_the_caps(ray_cluster: str, tmp_path: Path) -> Iterator[tu
 
 @pytest.mark.slow
 def test_a_spec_stored_before_the_caps_fails_its_study_alone_at_restart(bomb_stored_before_the_caps: tuple[Settings, int, int]) -> None:
-    from fusetune.server.coordinator import Coordinator
+    from fusetune.server.loop import SchedulingLoop
     from fusetune.workers.pool import WorkerPool
     from tests.test_backfill import _state, _step_until_complete
 
@@ -310,13 +310,13 @@ def test_a_spec_stored_before_the_caps_fails_its_study_alone_at_restart(bomb_sto
     url = settings.database_url
     pool = WorkerPool(cpu_workers=1, name_prefix="hostile")
     try:
-        before = Coordinator(settings, pool)
+        before = SchedulingLoop(settings, pool)
         before.setup()
         before.enqueue(bomb, {"hidden": 32}, {})  # a trial waits when the service restarts
         grid = {"search_space": {"a": list(range(40_000)), "b": list(range(40_000))}}
         with get_sessionmaker(url).begin() as session:
             session.execute(sa.update(Study).where(Study.id == bomb).values(sampler={"name": "GridSampler", "kwargs": grid}))
-        restarted = Coordinator(settings, pool)
+        restarted = SchedulingLoop(settings, pool)
         restarted.setup()
         _step_until_complete(restarted, pool, url, neighbour)
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import optuna
 import sqlalchemy as sa
 from alembic import command
@@ -87,3 +89,32 @@ def test_auth_migration_keeps_an_existing_default_tenant_and_adds_no_quotas(data
         rows = conn.execute(sa.text("SELECT name, weight, max_running_studies, max_trials_per_study FROM ft_tenants")).all()
         assert rows == [("default", 2.5, None, None)]
         assert conn.execute(sa.text("SELECT COUNT(*) FROM ft_tokens")).scalar_one() == 0
+
+
+def test_0015_moves_a_studys_configuration_into_its_row(database_url: str) -> None:
+    """A study stored before 0015 kept its training settings in its Optuna study's system attr
+    and its FusionSampler opt-out inside its sampler spec; after it, both are its row's."""
+    config = alembic_config(database_url)
+    get_optuna_storage(database_url)
+    with get_engine(database_url).begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0014")
+    optuna_id = optuna.create_study(study_name="old", storage=database_url)._study_id
+    training = {"optimizer": {"name": "Adam", "kwargs": {}}, "lr_scheduler": None, "warmup_epochs": None,
+                "max_norm": None, "amp": None, "metrics": []}
+    with get_engine(database_url).begin() as conn:
+        conn.execute(sa.text(
+            "INSERT INTO ft_studies (name, tenant, workload, n_trials, epochs, direction, sampler, driver, optuna_study_id, state, created_at) "
+            "VALUES ('old', 'default', 'digits-mlp', 4, 2, 'maximize', :sampler, 'service', :o, 'RUNNING', CURRENT_TIMESTAMP)"
+        ), {"sampler": '{"name": "TPESampler", "kwargs": {"seed": 1}, "fusion": false}', "o": optuna_id})
+        conn.execute(sa.text("INSERT INTO study_system_attributes (study_id, key, value_json) VALUES (:o, 'fusetune:training', :v)"),
+                     {"o": optuna_id, "v": json.dumps(training)})
+    upgrade(database_url)
+    from fusetune.server.db import Study, get_sessionmaker
+
+    with get_sessionmaker(database_url)() as session:
+        study = session.scalar(sa.select(Study).where(Study.name == "old"))
+        assert study.sampler == {"name": "TPESampler", "kwargs": {"seed": 1}}
+        assert study.config.fusion_sampler is False and study.config.training.optimizer == "Adam"
+    storage = get_optuna_storage(database_url)
+    assert "fusetune:training" not in storage.get_study_system_attrs(optuna_id)

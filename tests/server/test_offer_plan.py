@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fusetune.server.coordinator import offer_plan
+from fusetune.server.loop.dispatch import offer_plan
 
 
 def test_the_places_ended_members_freed_are_taken_at_the_next_boundary() -> None:

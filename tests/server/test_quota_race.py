@@ -14,7 +14,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from fusetune.server.db import Tenant, get_engine, get_sessionmaker
-from fusetune.server.service import Conflict, check_running_quota, lock_tenant
+from fusetune.server.errors import Conflict
+from fusetune.server.quotas import check_running_quota, lock_tenant
 from tests.server.conftest import LiveApi
 from tests.server.test_studies_api import VALID, field_of
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fusetune.scheduler import SpeedupCurve
-from fusetune.server.coordinator import split_plan
+from fusetune.server.loop.dispatch import split_plan
 
 # A compute-bound class (a member costs 80% of a solo model) and a small one that fuses well.
 CNN = SpeedupCurve(solo_steps_per_s=10.0, marginal_cost=0.8).rate

@@ -3,7 +3,7 @@ checkpoints, and its halves train: no trial fails for it (runs where a GPU is; b
 
 The GPU's memory is capped for this process (``torch.cuda.set_per_process_memory_fraction``)
 a little above what 3.5 members need by the fusion engine's memory model, so an array of 8
-runs out for real, and so does one of 4. The control plane's rule (``Coordinator._split_on_oom``:
+runs out for real, and so does one of 4. The control plane's rule (``Throughput.split_on_oom``:
 the class's arrays are capped at half the size that ran out, and the members wait again) is
 applied here as the scheduling loop applies it, without a database.
 """

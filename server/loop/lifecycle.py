@@ -1,10 +1,9 @@
 """A study's life after it is created: pause and resume, cancel, delete, more trials, failure.
 
 All of it runs on the scheduling loop's thread (request threads hand it over with
-``Coordinator.call``; each of the loop's steps calls :meth:`StudyLifecycle._settle_study`
-for every stopping study not settled yet), so the loop's view of the arrays it runs
-(``_live``), the arrays awaiting a client (``_awaiting``), the placements (``_running``) and
-the studies' mirrors never disagrees with the database.
+``SchedulingLoop.call``; each of the loop's steps calls :meth:`Lifecycle.settle` for every
+stopping study not settled yet), so the loop's state of the arrays it runs (``LoopState``:
+live, awaiting a client, placed) and the studies' mirrors never disagree with the database.
 
 Members leave a running array the way preempted members do (``WorkerPool.release``): at the
 array's next epoch boundary, checkpointed. Then:
@@ -21,80 +20,51 @@ array's next epoch boundary, checkpointed. Then:
 
 A stopping study's ``completed_at`` is set once none of its trials runs any more; then its
 checkpoints are removed (a DELETING study is removed whole: its rows, its Optuna study and
-its artifact folder).
+its artifact folder; a large one is hidden at once and removed in batches, ``server/purge.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import optuna
 from optuna.trial import TrialState as OptunaState
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from fusetune.server import events
-from fusetune.server.db import Study, StudyState, Tenant, Trial, TrialState, utcnow
-from fusetune.server import mirror
+from fusetune.server import events, mirror
+from fusetune.server.db import Study, StudyState, Tenant, TrialState, utcnow
+from fusetune.server.errors import Conflict, NotFound
+from fusetune.server.loop import rows
+from fusetune.server.loop.context import LoopContext
+from fusetune.server.loop.rows import STOPPING
+from fusetune.server.loop.state import Live
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.purge import Purge
+from fusetune.server.quotas import check_running_quota, check_trials_quota
 from fusetune.server.schemas import FAILURE_ATTR
-from fusetune.server.errors import Conflict, NotFound
-from fusetune.server.service import check_running_quota, check_trials_quota
 from fusetune.server.settings import artifact_uri
+from fusetune.workers.pool import WorkerHandle
 from fusetune.workers.spec import EpochReply, EpochReport
 from fusetune.workers.store import get_store
 from fusetune.workers.workloads import get_workload
 
-if TYPE_CHECKING:
-    from fusetune.scheduler import Placement
-    from fusetune.server.coordinator import _Awaiting, _Live
-    from fusetune.server.settings import Settings
-    from fusetune.workers.pool import WorkerHandle, WorkerPool
-    from fusetune.workers.spec import TrainingSpec
-
 log = logging.getLogger(__name__)
 
-#: States in which a study's trials are ended, not trained: its running members leave their
-#: arrays at the next epoch boundary and end, its waiting trials end at once.
-STOPPING = frozenset({StudyState.CANCELLED, StudyState.FAILED, StudyState.DELETING})
-_UNFINISHED = (TrialState.WAITING, TrialState.RUNNING)
 
 
-class StudyLifecycle:
-    """The part of :class:`~fusetune.server.coordinator.Coordinator` that changes a study's state.
+class Lifecycle:
+    """Changes a study's state on the scheduling loop's thread: a collaborator of the loop,
+    which hands it the requests (``SchedulingLoop.call``) and every stopping study each round."""
 
-    A mixin: it works on the coordinator's own state, declared below.
-    """
+    def __init__(self, ctx: LoopContext) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.state = ctx.state
+        self.mirrors = ctx.mirrors
 
-    settings: Settings
-    pool: WorkerPool
-    sessions: sessionmaker[Session]
-    storage: optuna.storages.RDBStorage
-    _mirrors: dict[int, StudyMirror]
-    _training: dict[int, TrainingSpec]
-    _running: dict[str, Placement]
-    _resumes: dict[int, int]
-    _live: dict[int, _Live]
-    _awaiting: dict[int, _Awaiting]
-    #: Studies whose members must leave their arrays (PAUSED, or STOPPING), by id.
-    _halting: dict[int, StudyState]
-    #: Array id -> members asked to leave it already (so a step does not ask again).
-    _leaving: dict[int, set[int]]
-
-    if TYPE_CHECKING:
-
-        def wake(self) -> None: ...
-
-        def _purge(self, purge: Purge) -> None: ...
-
-        def _purge_now(self, purge: Purge) -> None: ...
-
-    # -- what request threads ask for (through Coordinator.call) -------------------------------
+    # -- what request threads ask for (through SchedulingLoop.call) ---------------------------
     def pause(self, study_id: int) -> None:
         """No new trials are asked or started; running members leave at their next epoch
         boundary, checkpointed, and wait. Pausing a PAUSED study changes nothing.
@@ -102,7 +72,7 @@ class StudyLifecycle:
         Raises:
             Conflict: naming ``state`` when the study is not RUNNING or PAUSED.
         """
-        with self.sessions() as session:
+        with self.ctx.sessions() as session:
             study = _study(session, study_id)
             if study.state == StudyState.PAUSED:
                 return
@@ -112,7 +82,7 @@ class StudyLifecycle:
                 )
             study.state = StudyState.PAUSED
             session.commit()
-            self._halting[study_id] = StudyState.PAUSED
+            self.state.halting[study_id] = StudyState.PAUSED
             self._release_arrays(session, study_id)
         log.info("study %d paused", study_id)
 
@@ -123,7 +93,7 @@ class StudyLifecycle:
             Conflict: naming ``state`` when the study is not PAUSED or RUNNING, or
                 ``max_running_studies`` when its tenant already runs as many studies as that quota.
         """
-        with self.sessions() as session:
+        with self.ctx.sessions() as session:
             study = _study(session, study_id)
             if study.state == StudyState.RUNNING:
                 return
@@ -134,8 +104,8 @@ class StudyLifecycle:
             check_running_quota(session, session.get(Tenant, study.tenant, with_for_update=True))
             study.state = StudyState.RUNNING
             session.commit()
-        self._halting.pop(study_id, None)
-        self.wake()
+        self.state.halting.pop(study_id, None)
+        self.ctx.wake()
         log.info("study %d resumed", study_id)
 
     def cancel(self, study_id: int) -> None:
@@ -146,7 +116,7 @@ class StudyLifecycle:
             Conflict: naming ``state`` when the study has ended otherwise (COMPLETE, FAILED) or
                 is being deleted.
         """
-        with self.sessions() as session:
+        with self.ctx.sessions() as session:
             study = _study(session, study_id)
             if study.state == StudyState.CANCELLED:
                 return
@@ -156,7 +126,7 @@ class StudyLifecycle:
                 )
             study.state = StudyState.CANCELLED
             session.commit()
-            self._settle_study(session, study)
+            self.settle(session, study)
         log.info("study %d cancelled", study_id)
 
     def extend(self, study_id: int, n_trials: int) -> None:
@@ -168,13 +138,13 @@ class StudyLifecycle:
                 ``max_running_studies`` when a COMPLETE study would run again over that quota.
             Invalid: naming ``n_trials`` when it is over the tenant's ``max_trials_per_study``.
         """
-        with self.sessions() as session:
+        with self.ctx.sessions() as session:
             study = _study(session, study_id)
             if study.state in STOPPING:
                 raise Conflict(
                     "state", f"study {study_id} is {study.state.value}; its n_trials cannot change", where="study"
                 )
-            asked = session.scalar(select(func.count()).where(Trial.study_id == study_id))
+            asked = rows.asked(session, study_id)
             if n_trials < asked:
                 raise Conflict("n_trials", f"study {study_id} has asked {asked} trials already; n_trials={n_trials} is below that")
             tenant = session.get(Tenant, study.tenant, with_for_update=True)  # quotas: as on creation
@@ -185,7 +155,7 @@ class StudyLifecycle:
                 study.state, study.completed_at = StudyState.RUNNING, None
             study.n_trials = n_trials
             session.commit()
-        self.wake()
+        self.ctx.wake()
 
     def delete(self, study_id: int) -> bool:
         """Remove the study: fusetune's rows, its Optuna study and its artifact folder.
@@ -194,15 +164,15 @@ class StudyLifecycle:
         as a cancelled study's do) and removed once they have stopped, by a later step.
         Returns whether it is gone already.
         """
-        with self.sessions() as session:
+        with self.ctx.sessions() as session:
             study = _study(session, study_id)
             if study.state != StudyState.DELETING:
                 study.state = StudyState.DELETING
                 session.commit()
-            return self._settle_study(session, study)
+            return self.settle(session, study)
 
     # -- what the loop does every step ---------------------------------------------------------
-    def _settle_study(self, session: Session, study: Study) -> bool:
+    def settle(self, session: Session, study: Study) -> bool:
         """Drive a stopping study one step on (every round, also after a restart: a study
         cancelled or deleted while the previous process ran). End what of it can end now, ask
         its running members to leave, and, once nothing of it runs, set ``completed_at`` (or
@@ -210,31 +180,29 @@ class StudyLifecycle:
 
         Returns whether the study is gone (deleted).
         """
-        self._halting[study.id] = study.state
+        self.state.halting[study.id] = study.state
         reason = self._end_reason(study)
-        arrays = {array_id for array_id, live in self._live.items() if live.study_id == study.id}
+        arrays = {array_id for array_id, live in self.state.live.items() if live.study_id == study.id}
         now = utcnow()
         try:
             # A client-driven array awaiting decisions for a stopping study would wait for
             # answers nobody owes it: its members end here, and the array goes on to stop.
-            for array_id in [a for a in self._awaiting if a in arrays]:
+            for array_id in [a for a in self.state.awaiting if a in arrays]:
                 self._answer_awaiting(session, study, array_id, reason, now)
-            unfinished = session.scalars(
-                select(Trial).where(Trial.study_id == study.id, Trial.state.in_(_UNFINISHED)).order_by(Trial.number)
-            ).all()
+            unfinished = rows.unfinished_of(session, study.id)
             outside = [t for t in unfinished if t.array_id not in arrays]
             if outside:
-                mirror = self._stopping_mirror(study)
+                mirror = self.mirrors.stopping(study)
                 for trial in outside:
                     values = mirror.trial(trial.optuna_trial_id).intermediate_values
                     state = TrialState.PRUNED if values else TrialState.FAIL
                     mirror.tell(session, trial.optuna_trial_id, OptunaState[state.value])
                     value = values[max(values)] if values else None
-                    _end(session, trial.id, state, now, value, reason, {"tenant": study.tenant, "study_id": study.id})
+                    rows.finish(session, trial.id, state, now, value, reason, event={"tenant": study.tenant, "study_id": study.id})
             session.commit()
         except Exception:
             session.rollback()
-            self._mirrors.pop(study.id, None)
+            self.mirrors.drop(study.id)
             raise
         self._release_arrays(session, study.id, once=True)
         if arrays:
@@ -243,21 +211,21 @@ class StudyLifecycle:
             return self._delete_now(session, study)
         self._remove_artifacts(f"{study.name}/checkpoints")  # no trial of it will resume
         study.completed_at = now
-        counts = session.execute(select(Trial.state, func.count()).where(Trial.study_id == study.id).group_by(Trial.state))
+        counts = rows.state_counts(session, study.id)
         events.record(
             session, "study.completed", tenant=study.tenant, study_id=study.id,
-            trial_counts={s.value: n for s, n in counts}, state=study.state.value,
+            trial_counts={s.value: n for s, n in counts.items()}, state=study.state.value,
         )
         session.commit()
         self._forget(study.id)
         log.info("study %d %s: no trial of it runs any more", study.id, study.state.value)
         return False
 
-    def _stop_report(self, session: Session, mirror: StudyMirror, live: _Live, report: EpochReport, now: Any) -> bool:
+    def stop_report(self, session: Session, mirror: StudyMirror, live: Live, report: EpochReport, now: Any) -> bool:
         """In an array-epoch's transaction: end the members of a stopping study that left the
         array at this boundary (PRUNED at their step, with the reason). Returns False (nothing
         done) when the array's study is not stopping: they wait again, as preempted members do."""
-        state = self._halting.get(live.study_id)
+        state = self.state.halting.get(live.study_id)
         if state not in STOPPING or not report.released:
             return False
         reason = self._end_reason(session.get(Study, live.study_id))
@@ -265,13 +233,13 @@ class StudyLifecycle:
         where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
         for trial_id in report.released:
             mirror.tell(session, live.optuna_ids[trial_id], OptunaState.PRUNED)
-            _end(session, trial_id, TrialState.PRUNED, now, value.get(trial_id), reason, where)
+            rows.finish(session, trial_id, TrialState.PRUNED, now, value.get(trial_id), reason, event=where)
         return True
 
-    def _release_halted(self, worker: WorkerHandle, live: _Live, report: EpochReport, prune: Collection[int]) -> None:
+    def release_halted(self, worker: WorkerHandle, live: Live, report: EpochReport, prune: Collection[int]) -> None:
         """After an array-epoch of a halting study: members still going on leave at the next
         boundary. (Newcomers that joined at this one were not members when an earlier ask came.)"""
-        if live.study_id not in self._halting:
+        if live.study_id not in self.state.halting:
             return
         going_on = [
             m.trial_id for m in report.members
@@ -280,42 +248,40 @@ class StudyLifecycle:
         if going_on:
             self._release(worker, going_on)
 
-    def _workload_loads(self, session: Session, study: Study) -> bool:
+    def workload_loads(self, session: Session, study: Study) -> bool:
         """Whether the study's workload can be loaded; if not, the study ends FAILED with the error."""
         try:
             get_workload(study.workload)
         except Exception as exc:  # unknown, an entry point or module that fails to import, ...
-            self._fail(session, study, f"its workload {study.workload!r} cannot be loaded: {type(exc).__name__}: {exc}")
+            self.fail(session, study, f"its workload {study.workload!r} cannot be loaded: {type(exc).__name__}: {exc}")
             return False
         return True
 
-    def _check_askable(self, session: Session, study: Study) -> None:
+    def check_askable(self, session: Session, study: Study) -> None:
         """A trial may be enqueued into the study: Conflict naming ``state`` when it has been
         cancelled, has failed or is being deleted (or fails now: its workload cannot be loaded)."""
-        if study.state in STOPPING or not self._workload_loads(session, study):
+        if study.state in STOPPING or not self.workload_loads(session, study):
             raise Conflict(
                 "state", f"study {study.id} is {study.state.value}; no more trials can be asked", where="study"
             )
 
-    def _fail_if_every_trial_failed(self, session: Session, study: Study, counts: Mapping[TrialState, int]) -> None:
+    def fail_if_every_trial_failed(self, session: Session, study: Study, counts: Mapping[TrialState, int]) -> None:
         """A study whose trials have all ended, every one FAIL, ends FAILED, not COMPLETE
         (in the caller's transaction)."""
         if not counts or set(counts) != {TrialState.FAIL}:
             return
-        first = session.scalar(
-            select(Trial.error).where(Trial.study_id == study.id, Trial.state == TrialState.FAIL).order_by(Trial.number).limit(1)
-        )
+        first = rows.first_failure(session, study.id)
         study.state = StudyState.FAILED
         self._write_failure(session, study, f"every trial failed; the first: {first}")
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _fail(self, session: Session, study: Study, reason: str) -> None:
+    def fail(self, session: Session, study: Study, reason: str) -> None:
         """The study ends FAILED with ``reason``; its trials end as a stopping study's do."""
         study.state = StudyState.FAILED
         self._write_failure(session, study, reason)
         session.commit()
         log.warning("study %d failed: %s", study.id, reason)
-        self._settle_study(session, study)
+        self.settle(session, study)
 
     @staticmethod
     def _write_failure(session: Session, study: Study, reason: str) -> None:
@@ -324,61 +290,49 @@ class StudyLifecycle:
     def _end_reason(self, study: Study) -> str:
         """What a trial ended by its study's state says (its ``error``)."""
         if study.state == StudyState.FAILED:
-            failure = self.storage.get_study_system_attrs(study.optuna_study_id).get(FAILURE_ATTR)
+            failure = self.ctx.storage.get_study_system_attrs(study.optuna_study_id).get(FAILURE_ATTR)
             return f"stopped: its study failed ({failure})"
         if study.state == StudyState.DELETING:
             return "cancelled: its study is being deleted"
         return "cancelled: its study was cancelled"
 
-    def _stopping_mirror(self, study: Study) -> StudyMirror:
-        """The study's mirror, to end its trials with. A stopping study asks nothing more, so
-        when none is loaded its sampler is not built (it may not build: a workload that
-        cannot be loaded); any sampler ends trials the same."""
-        if study.id not in self._mirrors:
-            self._mirrors[study.id] = StudyMirror(
-                self.storage, study.optuna_study_id, optuna.samplers.RandomSampler(), optuna.pruners.NopPruner()
-            )
-        return self._mirrors[study.id]
-
     def _answer_awaiting(self, session: Session, study: Study, array_id: int, reason: str, now: Any) -> None:
-        waiting = self._awaiting.pop(array_id)
-        live = self._live[array_id]
-        mirror = self._stopping_mirror(study)
+        waiting = self.state.awaiting.pop(array_id)
+        live = self.state.live[array_id]
+        mirror = self.mirrors.stopping(study)
         where = {"tenant": study.tenant, "study_id": study.id, "array_id": array_id}
         for trial_id, step in waiting.steps.items():
             mirror.tell(session, live.optuna_ids[trial_id], OptunaState.PRUNED)
             value = mirror.trial(live.optuna_ids[trial_id]).intermediate_values.get(step)
-            _end(session, trial_id, TrialState.PRUNED, now, value, reason, where)
+            rows.finish(session, trial_id, TrialState.PRUNED, now, value, reason, event=where)
         session.commit()
         live.ended.update(waiting.steps)
-        self.pool.reply(waiting.worker, EpochReply(prune=frozenset(waiting.prune | set(waiting.steps))))
+        self.ctx.pool.reply(waiting.worker, EpochReply(prune=frozenset(waiting.prune | set(waiting.steps))))
 
     def _release_arrays(self, session: Session, study_id: int, once: bool = False) -> None:
         """Ask every running array of the study to let its members go at the next epoch
         boundary (those offered to it but not joined yet too); ``once``: skip members asked before."""
-        arrays = {array_id for array_id, live in self._live.items() if live.study_id == study_id}
-        for array_id in list(self._leaving):
-            if array_id not in self._live:
-                del self._leaving[array_id]  # ended
+        arrays = {array_id for array_id, live in self.state.live.items() if live.study_id == study_id}
+        for array_id in list(self.state.leaving):
+            if array_id not in self.state.live:
+                del self.state.leaving[array_id]  # ended
         if not arrays:
             return
         members: dict[int, list[int]] = {}
-        for trial_id, array_id in session.execute(
-            select(Trial.id, Trial.array_id).where(Trial.array_id.in_(arrays), Trial.state.in_(_UNFINISHED))
-        ):
-            if not (once and trial_id in self._leaving.get(array_id, ())):
+        for trial_id, array_id in rows.unfinished_in_arrays(session, arrays):
+            if not (once and trial_id in self.state.leaving.get(array_id, ())):
                 members.setdefault(array_id, []).append(trial_id)
-        for worker in self.pool.workers:
+        for worker in self.ctx.pool.workers:
             if worker.spec is not None and worker.spec.array_id in members:
                 self._release(worker, members[worker.spec.array_id])
 
     def _release(self, worker: WorkerHandle, trial_ids: Iterable[int]) -> None:
         ids = list(trial_ids)
-        self.pool.release(worker, ids)
-        self._leaving.setdefault(worker.spec.array_id, set()).update(ids)
-        current = self._running.get(worker.name)
+        self.ctx.pool.release(worker, ids)
+        self.state.leaving.setdefault(worker.spec.array_id, set()).update(ids)
+        current = self.state.running.get(worker.name)
         if current is not None:  # from now on the scheduler does not count them on this device
-            self._running[worker.name] = dataclasses.replace(
+            self.state.running[worker.name] = dataclasses.replace(
                 current, trial_ids=tuple(i for i in current.trial_ids if i not in ids)
             )
 
@@ -391,14 +345,13 @@ class StudyLifecycle:
         with one is hidden: the API answers 404 and lists it nowhere, and no round reads it)
         and its Optuna study is renamed (``optuna.load_study`` no longer finds it by its name).
         Its artifacts and rows then go on the purger's thread (``server/purge.py``), which
-        hands the study's own rows back to the loop (:meth:`_finish_delete`). Its name is
+        hands the study's own rows back to the loop (:meth:`finish_delete`). Its name is
         taken until then: a new study of that name gets the usual 409.
         """
         purge = Purge(study.id, study.optuna_study_id, study.name)
-        trials = session.scalar(select(func.count()).select_from(Trial).where(Trial.study_id == study.id)) or 0
-        resumed = list(self._resumes)
+        trials = rows.asked(session, study.id)
         # SQLite may give a later trial the same id: the resume counts of this study's go.
-        gone = session.scalars(select(Trial.id).where(Trial.study_id == study.id, Trial.id.in_(resumed))).all() if resumed else []
+        gone = rows.ids_among(session, study.id, list(self.state.resumes))
         try:
             mirror.hide_study(session, study.optuna_study_id, f"fusetune:deleted:{study.optuna_study_id}")
             study.completed_at = utcnow()
@@ -407,33 +360,32 @@ class StudyLifecycle:
             session.rollback()
             raise
         for trial_id in gone:
-            self._resumes.pop(trial_id, None)
+            self.state.resumes.pop(trial_id, None)
         self._forget(study.id)
         if trials > self.settings.delete_batch_trials:
-            self._purge(purge)
+            self.ctx.purge(purge)
             log.info("study %d (%s) deleted: its %d trials are being removed", study.id, study.name, trials)
             return False
-        self._purge_now(purge)
-        self._finish_delete(purge)
+        self.ctx.purge(purge, now=True)
+        self.finish_delete(purge)
         return True
 
-    def _finish_delete(self, purge: Purge) -> None:
+    def finish_delete(self, purge: Purge) -> None:
         """Remove a purged study's own rows (its trials, arrays and artifacts are gone) and
         record ``study.deleted``, on the loop's thread: it alone writes events."""
-        with self.sessions.begin() as session:
+        with self.ctx.sessions.begin() as session:
             study = session.get(Study, purge.study_id)
             if study is None:
                 return
             mirror.delete_study(session, purge.optuna_study_id)
             events.record(session, "study.deleted", tenant=study.tenant, study_id=study.id, name=study.name)
-            session.execute(delete(Study).where(Study.id == purge.study_id))
+            rows.delete_study(session, purge.study_id)
         log.info("study %d (%s): removed", purge.study_id, purge.name)
 
     def _forget(self, study_id: int) -> None:
         """Drop what the loop holds of a study that no longer runs (SQLite may reuse its id)."""
-        self._mirrors.pop(study_id, None)
-        self._training.pop(study_id, None)
-        self._halting.pop(study_id, None)
+        self.mirrors.forget(study_id)
+        self.state.halting.pop(study_id, None)
 
     def _remove_artifacts(self, key: str) -> None:
         """Remove a study's folder (``<study>``) or part of it in the artifact store (the
@@ -455,14 +407,4 @@ def _study(session: Session, study_id: int) -> Study:
     return study
 
 
-def _end(
-    session: Session, trial_id: int, state: TrialState, now: Any, value: float | None, error: str, where: Mapping[str, Any]
-) -> None:
-    """End fusetune's row of a trial with the reason (Optuna's is the mirror's) and record its
-    ``trial.ended`` event (``where``: its tenant, study and array) in the same transaction."""
-    value = value if value is not None and math.isfinite(value) else None
-    session.execute(update(Trial).where(Trial.id == trial_id).values(state=state, completed_at=now, error=error, value=value))
-    events.record(session, "trial.ended", **where, trial_id=trial_id, state=state.value, value=value, error=error)
-
-
-__all__ = ["STOPPING", "StudyLifecycle"]
+__all__ = ["Lifecycle"]

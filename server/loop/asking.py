@@ -1,0 +1,150 @@
+"""Asking: each running study's sampler asked for the trials its devices can take next.
+
+A round asks every running study (the scheduling loop's step) for enough waiting trials to
+fill every worker's array, never more trials asked and not finished than the study's
+``max_concurrent_trials`` (Ray Tune's name): FusionSampler's groups then shrink to fit, so
+the sampler asks later trials after earlier ones ended and learns from them. The sampler runs
+on the study's mirror, and the trials it asks are inserted in one transaction, each with its
+fusion key (``workers/signature.py``); a model that cannot be built with a trial's params, or
+a recipe that cannot be used, fails that trial there, with its error. A study whose sampler
+or workload raises fails alone (:meth:`Asker.ask_alone`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from optuna.trial import TrialState as OptunaState
+from sqlalchemy.orm import Session
+
+from fusetune.server import events
+from fusetune.server.db import Study, StudyState, Trial, TrialState, utcnow
+from fusetune.server.db.bulk import insert_returning
+from fusetune.server.db.revisions import inserting_trials
+from fusetune.server.errors import Conflict
+from fusetune.server.loop import rows
+from fusetune.server.loop.context import LoopContext
+from fusetune.server.loop.lifecycle import Lifecycle
+from fusetune.server.loop.mirrors import group_size
+from fusetune.server.loop.thread import database_unavailable
+from fusetune.server.schemas import parse_search_space
+from fusetune.workers.signature import trial_signature
+from fusetune.workers.workloads import get_workload
+
+__all__ = ["Asker"]
+
+log = logging.getLogger(__name__)
+
+
+class Asker:
+    """Asks the studies' samplers for trials (see the module docstring)."""
+
+    def __init__(self, ctx: LoopContext, lifecycle: Lifecycle) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.mirrors = ctx.mirrors
+        self.lifecycle = lifecycle
+
+    def capacity(self) -> int:
+        """How many trials the devices can train at once: the most waiting trials worth asking for."""
+        return max(1, len(self.ctx.pool.workers)) * self.settings.max_array_size
+
+    def ask(self, session: Session, study: Study, groups: int = 0) -> bool:
+        """Ask the study's sampler for enough trials to fill every device, in one transaction;
+        with ``groups``, for at most that many arrays' worth (FusionSampler's groups). Returns
+        whether the study wanted more than it asked."""
+        if study.driver == "client":
+            return False  # its client asks the trials and enqueues them
+        # One read for the three counts (a round asks every running study, every round).
+        asked, waiting, unfinished = rows.ask_counts(session, study.id)
+        wanted = min(study.n_trials - asked, (self.settings.ask_batch or self.capacity()) - waiting)
+        if study.max_concurrent_trials is not None:
+            wanted = min(wanted, study.max_concurrent_trials - unfinished)
+        if wanted <= 0 or not self.lifecycle.workload_loads(session, study):
+            return False
+        asking = min(wanted, groups * group_size(study, self.settings, len(self.ctx.pool.workers))) if groups else wanted
+        try:
+            self._ask_into(session, study, asking)
+            session.commit()
+        except Exception:
+            session.rollback()
+            self.mirrors.drop(study.id)  # what it asked was not written: reload from the database
+            raise
+        return wanted > asking
+
+    def ask_alone(self, session: Session, study: Study, groups: int = 0) -> bool:
+        """:meth:`_ask`, so that a study whose sampler (or workload) raises fails alone, with its
+        error, while the others go on; the database being unreachable stops the round as ever."""
+        try:
+            return self.ask(session, study, groups)
+        except Exception as exc:
+            if database_unavailable(exc):
+                raise
+            reason = f"asking for trials failed: {type(exc).__name__}: {exc}"
+            log.warning("study %d: %s", study.id, reason, exc_info=True)
+            self.lifecycle.fail(session, study, reason)
+            return False
+
+    def enqueue(self, study_id: int, params: Mapping[str, Any], user_attrs: Mapping[str, Any]) -> Trial:
+        """Optuna's ``enqueue_trial``, asked at once: the study's next trial has these params.
+
+        The trial counts in the study's ``n_trials``. Runs on the loop thread (``SchedulingLoop.call``).
+
+        Raises:
+            service.Conflict: naming ``n_trials`` when the study has asked all its trials.
+        """
+        with self.ctx.sessions() as session:
+            study = session.get(Study, study_id)
+            self.lifecycle.check_askable(session, study)
+            asked = rows.asked(session, study.id)
+            if asked >= study.n_trials:
+                raise Conflict("n_trials", f"study {study.id} has asked all its n_trials={study.n_trials} trials")
+            mirror = self.mirrors.of(study)
+            try:
+                mirror.study.enqueue_trial(dict(params), user_attrs=dict(user_attrs), skip_if_exists=False)
+                (trial_id,) = self._ask_into(session, study, 1)
+                if study.state == StudyState.COMPLETE:  # more trials for a study that had ended
+                    study.state, study.completed_at = StudyState.RUNNING, None
+                session.commit()
+            except Exception:
+                session.rollback()
+                self.mirrors.drop(study.id)
+                raise
+            row = session.get(Trial, trial_id)
+            session.expunge(row)
+        self.ctx.wake()
+        return row
+
+    def _ask_into(self, session: Session, study: Study, wanted: int) -> list[int]:
+        """Ask ``wanted`` trials (enqueued ones first, as Optuna does) into the caller's
+        transaction; returns their fusetune ids, in order."""
+        workload = get_workload(study.workload)
+        mirror = self.mirrors.of(study)
+        distributions = parse_search_space(study.search_space) if study.search_space else None
+        new: list[dict[str, Any]] = []
+        for trial in mirror.ask(session, wanted, workload.search_space, distributions):
+            row = {"study_id": study.id, "optuna_trial_id": trial.trial_id, "number": trial.number, "params": trial.params,
+                   "signature": "", "state": TrialState.WAITING, "error": trial.error, "completed_at": None}
+            if trial.error is None:
+                try:
+                    row["signature"] = trial_signature(workload, trial.params, study.config.training)
+                except Exception as exc:  # the workload's model rejected these params
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                    mirror.tell(session, trial.trial_id, OptunaState.FAIL)
+            if row["error"] is not None:
+                row["state"], row["completed_at"] = TrialState.FAIL, utcnow()
+            new.append(row)
+        if not new:
+            return []
+        # One statement for the batch (the unit of work's flush of 64 trials cost more than
+        # their signatures), stamped like any trial write.
+        inserting_trials(session)
+        ids = insert_returning(session, Trial.__table__, new)
+        for trial_id, row in zip(ids, new, strict=True):
+            where = {"tenant": study.tenant, "study_id": study.id, "trial_id": trial_id}
+            events.record(session, "trial.asked", **where, number=row["number"], params=row["params"], state=row["state"].value)
+            if row["state"] == TrialState.FAIL:
+                events.record(session, "trial.ended", **where, state="FAIL", value=None, error=row["error"])
+        return ids

@@ -1,0 +1,169 @@
+"""What the scheduling loop has measured of each class's arrays: their speeds, the sizes that
+ran out of memory, and the memory models that size arrays to a budget.
+
+Speeds are models·steps/s by (signature, device type) and array size B, folded in as each
+array-epoch reports (an exponential average, ``FUSETUNE_THROUGHPUT_SMOOTHING``), written to
+``ft_throughput`` with the epoch's transaction and read back by a later process, so a
+restarted service or a second study of the same shapes sizes its arrays from what was
+measured. The scheduler gets each class's speed-up curve fitted to those points.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from fusetune.scheduler import Scheduler, fit_points
+from fusetune.server.db import Array, Study
+from fusetune.server.loop import rows
+from fusetune.server.settings import Settings
+from fusetune.workers.pool import WorkerHandle, WorkerPool
+from fusetune.workers.spec import ArrayOutcome, EpochReport, TrainingSpec
+
+__all__ = ["Throughput"]
+
+log = logging.getLogger(__name__)
+
+
+class Throughput:
+    """Measured speeds, out-of-memory caps and memory models (see the module docstring)."""
+
+    def __init__(self, settings: Settings, pool: WorkerPool, scheduler: Scheduler) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.scheduler = scheduler
+        # Measured models·steps/s by (signature, device type) and B: ft_throughput, in memory.
+        self.points: dict[tuple[str, str], dict[int, float]] = {}
+        # Speeds observed in the transaction being written, written once each at its end:
+        # (signature, device type, B) -> (smoothed rate, samples added, whether its row is new).
+        self._observed: dict[tuple[str, str, int], tuple[float, int, bool]] = {}
+        # Largest array of a class on a device type since an array of it ran out of memory there.
+        self._oom_caps: dict[tuple[str, str], int] = {}
+        self._memory_models: dict[str, tuple[int, int]] = {}  # signature -> (base, member) bytes
+        self._memory_pending: dict[str, tuple[Any, float]] = {}  # signature -> (its measurement on a worker, since)
+
+    # -- speeds ----------------------------------------------------------------------------------
+    def load(self, session: Session) -> None:
+        """The speeds measured by earlier arrays, also by an earlier process: no new dry runs."""
+        for row in rows.throughput(session):
+            self.points.setdefault((row.signature, row.device_type), {})[row.members] = row.models_steps_per_s
+
+    def observe(self, cls: str, device_type: str, report: EpochReport, warm: bool) -> None:
+        """Fold an array-epoch's measured speed into the class's curve; :meth:`write` writes it
+        to ft_throughput."""
+        signature = cls.split("@", 1)[0]
+        measured = []
+        if warm and report.train_seconds > 0 and report.size > 0:
+            measured.append((report.size, report.member_steps / report.train_seconds))
+        if report.solo_steps_per_s:
+            measured.append((1, report.solo_steps_per_s))
+        if not measured:
+            return
+        points = self.points.setdefault((signature, device_type), {})
+        smoothing = self.settings.throughput_smoothing
+        for members, rate in measured:
+            key = (signature, device_type, members)
+            _, samples, new = self._observed.get(key, (0.0, 0, members not in points))
+            if members in points:
+                rate = (1 - smoothing) * points[members] + smoothing * rate
+            points[members] = rate
+            self._observed[key] = (rate, samples + 1, new)
+        self.scheduler.throughput.set_curve(cls, device_type, fit_points(points, self.settings.prior_marginal_cost))
+
+    def write(self, session: Session) -> None:
+        """Write the speeds :meth:`observe` folded in since the last call: one row each, however
+        many of the transaction's array-epochs measured it."""
+        observed, self._observed = self._observed, {}
+        rows.write_throughput(session, observed)
+
+    def rolled_back(self) -> None:
+        """The transaction that was to write the observed speeds rolled back: points whose row
+        was new are not there after all (a retry observes them again)."""
+        for signature, device_type, members in [k for k, (_, _, new) in self._observed.items() if new]:
+            del self.points[(signature, device_type)][members]
+        self._observed.clear()
+
+    def solo_known(self, signature: str, device_type: str) -> bool:
+        """Whether the class's B = 1 speed is measured on this device type."""
+        return 1 in self.points.get((signature, device_type), {})
+
+    def curve_classes(self, classes: set[str], device_types: set[str]) -> None:
+        """Give the scheduler each class's curve fitted to its signature's measured points."""
+        for cls in classes:
+            signature = cls.split("@", 1)[0]
+            for device_type in device_types:
+                points = self.points.get((signature, device_type))
+                if points:
+                    self.scheduler.throughput.set_curve(cls, device_type, fit_points(points, self.settings.prior_marginal_cost))
+
+    # -- memory ----------------------------------------------------------------------------------
+    def split_on_oom(self, session: Session, worker: WorkerHandle, array: Array, result: ArrayOutcome | BaseException) -> bool:
+        """An array that ran out of memory with more than one member is split: True.
+
+        Its class's arrays on this device type are capped at half its size from now on,
+        and its members wait again, to train in the halves (from their checkpoints).
+        """
+        if not isinstance(result, ArrayOutcome) or not result.oom:
+            return False
+        running = rows.count_running_in(session, array.id)
+        if running < 2:
+            return False  # one member alone does not fit: it fails with the error
+        key = (f"{array.signature}@{array.study_id}", worker.device_type)
+        self._oom_caps[key] = min(self._oom_caps.get(key, running), max(1, running // 2))
+        log.warning("array %d ran out of memory with %d members: retrying in arrays of %d", array.id, running, self._oom_caps[key])
+        return True
+
+    def size_cap(
+        self, session: Session, cls: str, worker: WorkerHandle, trial_id: int, waiting: Mapping[int, tuple[Any, Study]],
+    ) -> int:
+        """The most members an array of ``cls`` may have on ``worker``: half of the size that ran out
+        of memory there, and with a memory budget, what the fusion engine's memory model fits in it.
+        0 while that model is being measured on a worker (:meth:`memory_model`): start none yet."""
+        cap = self._oom_caps.get((cls, worker.device_type), self.settings.max_array_size)
+        budget = self.settings.worker_memory_bytes
+        if budget is None:
+            return cap
+        trial, study = waiting[trial_id]
+        model = self.memory_model(session, trial.signature, worker, trial_id, study)
+        if model is None:
+            return 0
+        base, member = model
+        return max(1, min(cap, (budget - base) // max(member, 1)))
+
+    def memory_model(self, session: Session, signature: str, worker: WorkerHandle, trial_id: int, study: Study) -> tuple[int, int] | None:
+        """The memory model of ``signature``'s arrays, ``(base, member)`` bytes, measured on a
+        worker (``workers/memory.py``): a tenant's model is never built or stepped in this
+        process, which is also the API and the Ray driver. None while the measurement runs
+        (asked of ``worker``, idle; polled each round). One that fails or outlasts
+        ``FUSETUNE_RAY_TIMEOUT_S`` leaves the class one member per array, which fits if anything does."""
+        if signature in self._memory_models:
+            return self._memory_models[signature]
+        pending = self._memory_pending.get(signature)
+        if pending is None:
+            training: TrainingSpec = study.config.training
+            ref = self.pool.measure_memory(worker, study.workload, rows.params_of(session, trial_id), training)
+            self._memory_pending[signature] = (ref, time.monotonic())
+            return None
+        ref, since = pending
+        try:
+            model = self.pool.measured(ref)
+        except LookupError as exc:  # the worker died: measure again, on another
+            log.warning("study %d: measuring its arrays' memory: %s; again", study.id, exc)
+            del self._memory_pending[signature]
+            return None
+        except RuntimeError as exc:
+            log.warning("study %d: no memory model for its arrays (%s): one member each", study.id, exc)
+            model = (0, self.settings.worker_memory_bytes or 1)
+        if model is None:
+            if time.monotonic() - since < self.settings.ray_timeout_s:
+                return None
+            log.warning("study %d: its arrays' memory model took over %.0f s: one member each", study.id, self.settings.ray_timeout_s)
+            model = (0, self.settings.worker_memory_bytes or 1)
+        del self._memory_pending[signature]
+        self._memory_models[signature] = model
+        return model
+
