@@ -80,9 +80,39 @@ def optimize(
     if epochs < 1:
         raise ValueError(f"epochs must be positive, not {epochs}")
     group = max_array_size or _DEFAULT_GROUP
-    n_concurrent = n_concurrent or 2 * group
     space = _space(workload)
-    multi = len(study.directions) > 1
+    body = _service_study(study, workload, n_trials, epochs, search_space, metrics, max_array_size)
+    original, bar = study.sampler, None
+    # The user's sampler comes back and the bar closes however this ends, a refused or
+    # unreachable service included: the study is the user's, not this call's.
+    try:
+        if fusion_sampler:
+            study.sampler = _fusion_sampler(original, workload, group, search_space)
+        bar = _progress_bar(n_trials) if show_progress_bar else None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with Client(url, token=token) as client:
+            try:
+                created = client.submit(body)
+            except FusetuneError as exc:
+                raise ValueError(f"the service refused the study: {exc.detail}") from exc
+            run = _Run(study, client, created["id"], space, search_space, len(study.directions) > 1, bar)
+            run.until_done(n_trials, n_concurrent or 2 * group, deadline, poll_interval)
+    finally:
+        if bar is not None:
+            bar.close()
+        study.sampler = original
+
+
+def _service_study(
+    study: optuna.Study,
+    workload: str,
+    n_trials: int,
+    epochs: int,
+    search_space: Mapping[str, optuna.distributions.BaseDistribution] | None,
+    metrics: Sequence[str] | None,
+    max_array_size: int | None,
+) -> dict[str, Any]:
+    """The request body of the client-driven service study that trains the user's trials."""
     body: dict[str, Any] = {
         "workload": workload,
         "n_trials": n_trials,
@@ -93,7 +123,7 @@ def optimize(
     }
     if metrics is not None:
         body["metrics"] = list(metrics)
-    if multi:
+    if len(study.directions) > 1:
         body["directions"] = [d.name.lower() for d in study.directions]
     else:
         body["direction"] = study.direction.name.lower()
@@ -101,48 +131,64 @@ def optimize(
         body["search_space"] = {k: optuna.distributions.distribution_to_json(d) for k, d in search_space.items()}
     if max_array_size is not None:
         body["max_array_size"] = max_array_size
+    return body
 
-    original = study.sampler
-    if fusion_sampler:
-        study.sampler = _fusion_sampler(original, workload, group, search_space)
-    bar = _progress_bar(n_trials) if show_progress_bar else None
-    deadline = None if timeout is None else time.monotonic() + timeout
-    with Client(url, token=token) as client:
-        try:
-            created = client.submit(body)
-        except FusetuneError as exc:
-            raise ValueError(f"the service refused the study: {exc.detail}") from exc
-        service_id = created["id"]
-        inflight: dict[int, _Tracked] = {}
-        asked = done = 0
-        try:
-            while done < asked or (asked < n_trials and (deadline is None or time.monotonic() < deadline)):
-                while asked < n_trials and len(inflight) < n_concurrent and (deadline is None or time.monotonic() < deadline):
-                    if search_space is not None:
-                        trial = study.ask(dict(search_space))
-                        params = trial.params
-                    else:
-                        trial = study.ask()
-                        params = space(trial)
-                    row = client.enqueue_trial(service_id, _plain(params), {"client_trial_number": trial.number})
-                    inflight[row["id"]] = _Tracked(trial)
-                    asked += 1
-                for row in client.trials(service_id):
-                    tracked = inflight.get(row["id"])
-                    if tracked is None:
-                        continue
-                    if _follow(study, client, row, tracked, multi):
-                        del inflight[row["id"]]
-                        done += 1
-                        if bar is not None:
-                            bar.update(1)
-                            _show_best(bar, study, multi)
-                if inflight:
-                    time.sleep(poll_interval)
-        finally:
-            if bar is not None:
-                bar.close()
-            study.sampler = original
+
+@dataclass
+class _Run:
+    """One call's trials in flight: asked in the user's study, enqueued on the service study
+    ``service_id``, and followed back from its records until each has ended."""
+
+    study: optuna.Study
+    client: Client
+    service_id: int
+    space: Callable[[optuna.Trial], Mapping[str, Any]]
+    search_space: Mapping[str, optuna.distributions.BaseDistribution] | None
+    multi: bool
+    bar: Any
+    inflight: dict[int, _Tracked] = field(default_factory=dict)
+    asked: int = 0
+    done: int = 0
+
+    def until_done(self, n_trials: int, n_concurrent: int, deadline: float | None, poll_interval: float) -> None:
+        """Keep ``n_concurrent`` trials in flight until ``n_trials`` were asked (or the
+        deadline passed), then until every asked trial has ended."""
+
+        def may_ask() -> bool:
+            return self.asked < n_trials and (deadline is None or time.monotonic() < deadline)
+
+        while self.done < self.asked or may_ask():
+            while len(self.inflight) < n_concurrent and may_ask():
+                self.ask()
+            self.follow()
+            if self.inflight:
+                time.sleep(poll_interval)
+
+    def ask(self) -> None:
+        """One more trial of the user's study, enqueued on the service with its params."""
+        params: Mapping[str, Any]
+        if self.search_space is not None:
+            trial = self.study.ask(dict(self.search_space))
+            params = trial.params
+        else:
+            trial = self.study.ask()
+            params = self.space(trial)
+        row = self.client.enqueue_trial(self.service_id, _plain(params), {"client_trial_number": trial.number})
+        self.inflight[row["id"]] = _Tracked(trial)
+        self.asked += 1
+
+    def follow(self) -> None:
+        """One read of the service study's trials, brought into the user's trials in flight."""
+        for row in self.client.trials(self.service_id):
+            tracked = self.inflight.get(row["id"])
+            if tracked is None:
+                continue
+            if _follow(self.study, self.client, row, tracked, self.multi):
+                del self.inflight[row["id"]]
+                self.done += 1
+                if self.bar is not None:
+                    self.bar.update(1)
+                    _show_best(self.bar, self.study, self.multi)
 
 
 def _follow(study: optuna.Study, client: Client, row: dict[str, Any], tracked: _Tracked, multi: bool) -> bool:

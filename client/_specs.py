@@ -76,7 +76,7 @@ def component_spec(obj: optuna.samplers.BaseSampler | optuna.pruners.BasePruner)
     return {"name": cls.__name__, "kwargs": kwargs}
 
 
-def _defaults(cls: type) -> dict[str, Any]:
+def _defaults(cls: type[object]) -> dict[str, Any]:
     """Each constructor argument's default as an object holds it: read back from one built
     without arguments, else the signature's. An argument Optuna deprecated defaults to None and
     holds what None stands for (TPESampler's ``prior_weight`` holds 1.0): compared with the

@@ -42,10 +42,17 @@ def main() -> None:
         for trial, value in zip(trials, values):
             study.tell(trial, value)
 
-    shapes = Counter((fusion_group(t), t.params["hidden"], t.params["batch_size"]) for t in study.trials)
+    shapes = Counter((_group(t), t.params["hidden"], t.params["batch_size"]) for t in study.trials)
     for (group, hidden, batch_size), n in sorted(shapes.items(), key=lambda kv: int(kv[0][0].split(".")[0])):
         print(f"group {group:>3}: {n} trials, hidden={hidden}, batch_size={batch_size}")
     print(f"best value {study.best_value:.4f} with {study.best_params}")
+
+
+def _group(trial: optuna.trial.FrozenTrial) -> str:
+    group = fusion_group(trial)
+    if group is None:  # every trial here was asked through FusionSampler, which places each
+        raise RuntimeError(f"trial {trial.number} has no fusion group")
+    return group
 
 
 if __name__ == "__main__":

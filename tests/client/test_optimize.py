@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import optuna
 import pytest
 
 from fusetune import client as ft
 from fusetune.client import Client
-from tests.conftest import running_service
+from tests.conftest import free_port, running_service
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +87,19 @@ def test_a_client_driven_study_names_no_sampler(service: Client) -> None:
     with pytest.raises(ft.FusetuneError) as refused:
         service.create_study("digits-mlp", n_trials=1, driver="client", sampler={"name": "RandomSampler"})
     assert refused.value.status_code == 422 and "sampler" in str(refused.value.detail)
+
+
+def test_a_refused_study_leaves_the_users_sampler_as_it_was(service: Client) -> None:
+    sampler = optuna.samplers.RandomSampler(seed=0)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    with pytest.raises(ValueError, match="the service refused the study"):
+        ft.optimize(study, "digits-mlp", n_trials=2, metrics=["no-such-metric"], url=service.url, token=service.token)
+    assert study.sampler is sampler and study.trials == []
+
+
+def test_an_unreachable_service_leaves_the_users_sampler_as_it_was() -> None:
+    sampler = optuna.samplers.RandomSampler(seed=0)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    with pytest.raises(httpx.ConnectError):
+        ft.optimize(study, "digits-mlp", n_trials=2, url=f"http://127.0.0.1:{free_port()}", token="unused")
+    assert study.sampler is sampler
