@@ -96,6 +96,9 @@ class ArraySpec:
     # How long an epoch boundary waits for the pruning reply (``prunes``) before it goes on
     # as if told to continue; a late reply's decisions apply at a later boundary.
     reply_timeout_s: float = 60.0
+    # False: the class fuses by neither path (an earlier array of it could not run fused, and
+    # the plain model trains): the array trains its one member as the plain model, unfused.
+    fused: bool = True
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,9 @@ class EpochReport:
     train_seconds: float = 0.0
     solo_steps_per_s: float | None = None  # the unfused probe's speed, when the spec asked for it
     timings: dict[str, float] = field(default_factory=dict)  # seconds by phase, this epoch
+    # What the study's user should know of how this array trains, new since its last report:
+    # modules the fused model runs once per member (exact, but without fusion's speed-up).
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,3 +176,7 @@ class ArrayOutcome:
     timings: dict[str, float] = field(default_factory=dict)  # seconds by phase, whole array
     error: str | None = None
     oom: bool = False  # the device ran out of memory: the control plane splits the array and retries
+    # Why the members cannot train fused (naming the module), when the fused model failed its
+    # first step or evaluation and the plain model trains: the members were not failed (they
+    # wait again), and the control plane trains their class unfused, in arrays of one.
+    unfusible: str | None = None

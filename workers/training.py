@@ -9,8 +9,8 @@ import math
 import time
 import traceback
 from collections import defaultdict, deque
-from collections.abc import Generator, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -29,11 +29,15 @@ from fusetune.workers.spec import (
     TrainingSpec,
 )
 from fusetune.workers.store import ArtifactStore, get_store
+from fusetune.workers.unfused import NotFused, Unfused, where_it_failed
 from fusetune.workers.workloads import Metric, Workload, get_workload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_models", "objectives", "optimizer_kwargs", "probe_solo_speed", "recipes", "train_array"]
+#: What an array trains: its members fused, or one member unfused (a class that fuses by neither path).
+ArrayModel = fusion.FusedModel | Unfused
+
+__all__ = ["ArrayRun", "build_models", "objectives", "optimizer_kwargs", "probe_solo_speed", "recipes", "train_array"]
 
 
 def recipes(workload: Workload, training: TrainingSpec, members: Sequence[MemberSpec]) -> list[Recipe]:
@@ -59,7 +63,7 @@ def build_models(workload: Workload, members: Sequence[MemberSpec], seed: int) -
     return models
 
 
-def save_member(fused: fusion.FusedModel, index: int, spec: ArraySpec, member: MemberSpec) -> str:
+def save_member(fused: ArrayModel, index: int, spec: ArraySpec, member: MemberSpec) -> str:
     """Save member ``index`` as a plain state_dict of the workload's model class in the
     artifact store; returns where (a local path, or the store's URI of it)."""
     state = {k: v.detach().cpu() for k, v in fused.member_state_dict(index).items()}
@@ -69,6 +73,11 @@ def save_member(fused: fusion.FusedModel, index: int, spec: ArraySpec, member: M
 def _checkpoint_of(spec: ArraySpec, member: MemberSpec) -> str | None:
     """The store folder of the member's checkpoints (None: the array keeps none)."""
     return checkpoint_dir(spec.study_name, member.number) if spec.artifact_dir else None
+
+
+def _folder(spec: ArraySpec, member: MemberSpec) -> str:
+    """The store folder of the member's checkpoints, in an array that keeps them."""
+    return checkpoint_dir(spec.study_name, member.number)
 
 
 def resume_members(
@@ -166,10 +175,10 @@ def _resumed(
         return
     for member, done, state in zip(members, epochs, states, strict=True):
         if state is not None:
-            writer.assume(_checkpoint_of(spec, member), done)
-            writer.confirm(_checkpoint_of(spec, member), done, newer=True)
+            writer.assume(_folder(spec, member), done)
+            writer.confirm(_folder(spec, member), done, newer=True)
         elif member.resume_epoch is not None:
-            writer.remove(_checkpoint_of(spec, member))
+            writer.remove(_folder(spec, member))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -234,12 +243,18 @@ def probe_solo_speed(
     return steps / (time.perf_counter() - clock)
 
 
-def _measure(metric: Metric, fused: fusion.FusedModel, b: int, out: torch.Tensor, target: torch.Tensor) -> float:
+def _measure(metric: Metric, fused: ArrayModel, b: int, out: torch.Tensor, target: torch.Tensor) -> float:
     """Member ``b``'s value of ``metric``: from the fused validation outputs, or of its model."""
     with torch.no_grad():
         if metric.of == "model":
             return float(metric.fn(fused.member(b)))
         return float(metric.fn(out[b], target))
+
+
+def _said(error: BaseException) -> str:
+    """An error's type and first line."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _sync(device: torch.device) -> None:
@@ -282,208 +297,406 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
     epoch after validation, gradient clipping, AMP on CUDA). Members the scheduler preempts
     (``inbox.released``) leave at the next epoch boundary with a checkpoint written before
     the report says they left. Any other error fails the whole array, with the error recorded.
+
+    Fusion's own failures fail no trial. Modules the fused model runs once per member (vmap
+    cannot run them) are named in the report's ``warnings``. Where the fused model cannot
+    be built, or fails its first training step or evaluation, and the first member's plain
+    model trains, the model fuses by neither path: the array ends with the reason in
+    ``ArrayOutcome.unfusible``, its members untrained and not failed, and the control plane
+    trains them unfused (``spec.fused`` False: an array of one, :class:`workers.unfused.Unfused`).
     """
-    outcome = ArrayOutcome(array_id=spec.array_id)
-    timings: dict[str, float] = defaultdict(float)
-    members: list[MemberSpec] = list(spec.members)
-    writer = CheckpointWriter(get_store(spec.artifact_dir) if spec.artifact_dir else None)
-    last_saved: dict[int, tuple[int, float]] = {}  # trial id -> (epochs done, train seconds) at its last checkpoint
-    sent: deque[list[tuple[str, int]]] = deque()  # per report not yet acknowledged: the checkpoints it named
+    run = ArrayRun(spec, device, inbox)
     try:
-        clock = time.perf_counter()
-        workload = get_workload(spec.workload)
-        train, val = workload.datasets()
-        x, y = (t.to(device) for t in train.tensors)
-        x_val, y_val = (t.to(device) for t in val.tensors)
-        metrics = objectives(workload, spec.training)
-        models = build_models(workload, members, spec.seed)
-        epochs_done, states = resume_members(spec, members, models)
-        _resumed(writer, spec, members, epochs_done, states)
-        fused = fusion.fuse(models).to(device)
-        optim = ArrayOptimizer(fused, recipes(workload, spec.training, members), device)
-        _load_states(optim, 0, states)
-        joined = _joined(members, epochs_done, states)
-        batch_size = workload.batch_size_for(members[0].params)
-        # The data order is the array's members' (the first's number), not the array id's,
-        # which depends on how the database numbered earlier arrays.
-        generator = torch.Generator().manual_seed(spec.seed + min(m.number for m in members))
-        member_steps, steps, train_seconds = 0, 0, 0.0
-        # In the first epoch's report: the control plane weighs moving members by it.
-        built = time.perf_counter() - clock
-
-        while members:
-            epoch = defaultdict(float)
-            epoch["build_s"], built = built, 0.0
-            count = len(members)
-            fused.train()
-            clock = time.perf_counter()
-            order = torch.randperm(len(y), generator=generator).to(device)
-            losses = torch.zeros(count, device=device)
-            epoch_steps = 0
-            for begin in range(0, len(y), batch_size):
-                idx = order[begin : begin + batch_size]
-                if optim.amp:
-                    with optim.autocast():
-                        out = fused(fusion.broadcast(x[idx], count))
-                        losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(y[idx], count))
-                else:
-                    out = fused(fusion.broadcast(x[idx], count))
-                    losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(y[idx], count))
-                optim.step(losses)
-                epoch_steps += 1
-            final_losses = losses.detach().cpu().tolist()
-            epoch["train_s"] = time.perf_counter() - clock
-            member_steps, steps, train_seconds = member_steps + count * epoch_steps, steps + epoch_steps, train_seconds + epoch["train_s"]
-            solo = None
-            if spec.probe_solo and outcome.epochs_done == 0:
-                clock = time.perf_counter()
-                solo = probe_solo_speed(workload, members[0], x, y, steps=epoch_steps, training=spec.training)
-                epoch["probe_s"] = time.perf_counter() - clock
-
-            clock = time.perf_counter()
-            fused.eval()
-            with torch.no_grad(), optim.autocast() if optim.amp else contextlib.nullcontext():
-                out = fused(fusion.broadcast(x_val, count))
-            values = [_measure(metrics[0], fused, b, out, y_val) for b in range(count)]
-            optim.end_epoch(values)  # schedules step once per epoch, after validation
-            epoch["eval_s"] = time.perf_counter() - clock
-            outcome.epochs_done += 1
-
-            # Members that end on the worker's side: diverged, or done (weights saved first).
-            clock = time.perf_counter()
-            ended: dict[int, str] = {}
-            reports = []
-            for b, member in enumerate(members):
-                epochs_done[b] += 1
-                step = epochs_done[b] - 1
-                if not math.isfinite(final_losses[b]) or not math.isfinite(values[b]):
-                    error = f"training diverged: non-finite loss at epoch {step}"
-                    reports.append(MemberReport(member.trial_id, step, values[b], "FAIL", error=error))
-                    ended[b], outcome.failed[member.trial_id] = "FAIL", "training diverged"
-                elif epochs_done[b] >= spec.epochs:
-                    finals = (values[b], *(_measure(m, fused, b, out, y_val) for m in metrics[1:]))
-                    bad = [m.name for m, v in zip(metrics, finals) if not math.isfinite(v)]
-                    if bad:
-                        error = f"objective {bad[0]} is not finite at epoch {step}"
-                        reports.append(MemberReport(member.trial_id, step, values[b], "FAIL", error=error))
-                        ended[b], outcome.failed[member.trial_id] = "FAIL", error
-                        continue
-                    path = save_member(fused, b, spec, member) if spec.artifact_dir is not None else None
-                    reports.append(MemberReport(member.trial_id, step, values[b], "COMPLETE", state_dict=path, values=finals))
-                    ended[b] = "COMPLETE"
-                    outcome.completed.append(member.trial_id)
-                else:
-                    reports.append(MemberReport(member.trial_id, step, values[b]))
-            epoch["save_s"] = time.perf_counter() - clock
-
-            # Members the scheduler preempted leave with their checkpoint (only where there is
-            # one), on disk before the report lets another array take them.
-            clock = time.perf_counter()
-            release = inbox.released(spec.array_id) if inbox is not None and spec.artifact_dir else set()
-            leaving = [b for b, m in enumerate(members) if b not in ended and m.trial_id in release]
-            for b in leaving:
-                writer.save(_checkpoint_of(spec, members[b]), epochs_done[b], fused.member_state_dict(b), *optim.member_state(b))
-                outcome.released.append(members[b].trial_id)
-            if leaving:
-                writer.flush()
-            epoch["checkpoint_s"] = time.perf_counter() - clock
-
-            # Each member's newest checkpoint that is completely written: what the control
-            # plane may resume it from (the one being written now may not be there yet).
-            durable = {m.trial_id: writer.durable(_checkpoint_of(spec, m)) for m in members} if spec.artifact_dir else {}
-            report = EpochReport(
-                array_id=spec.array_id,
-                members=tuple(dataclasses.replace(r, checkpoint_epoch=durable.get(r.trial_id)) for r in reports),
-                joined=tuple(joined),
-                released=tuple(members[b].trial_id for b in leaving),
-                size=count,
-                member_steps=count * epoch_steps,
-                train_seconds=epoch["train_s"],
-                solo_steps_per_s=solo,
-                timings=dict(epoch),
-            )
-            sent.append([(_checkpoint_of(spec, m), durable[m.trial_id]) for m in members if durable.get(m.trial_id) is not None])
+        run.build()
+        while run.members:
+            report = run.epoch()
             clock = time.perf_counter()
             reply = (yield report) or EpochReply()
-            timings["report_s"] += time.perf_counter() - clock
-            for _ in range(min(reply.acked, len(sent))):  # recorded: the older checkpoints can go
-                for folder, done in sent.popleft():
-                    writer.confirm(folder, done)
-            joined = []
-            for b, member in enumerate(members):
-                if b not in ended and member.trial_id in reply.prune:
-                    ended[b] = "PRUNED"
-                    outcome.pruned.append(member.trial_id)
-            for b in leaving:
-                ended[b] = "RELEASED"
-
-            # Checkpoints in the background: the next epoch does not wait for the disk. A member
-            # is saved once checkpoint_frequency epochs and checkpoint_interval_s seconds of
-            # training have passed since its last checkpoint.
-            clock = time.perf_counter()
-            if spec.artifact_dir is not None:
-                for b, member in enumerate(members):
-                    if ended.get(b, "RELEASED") != "RELEASED":
-                        writer.remove(_checkpoint_of(spec, member))
-                        last_saved.pop(member.trial_id, None)
-                        continue
-                    epochs_at, seconds_at = last_saved.setdefault(member.trial_id, (epochs_done[b] - 1, train_seconds - epoch["train_s"]))
-                    if (
-                        b not in ended
-                        and spec.checkpoint_frequency
-                        and epochs_done[b] - epochs_at >= spec.checkpoint_frequency
-                        and train_seconds - seconds_at >= spec.checkpoint_interval_s
-                    ):
-                        writer.save(_checkpoint_of(spec, member), epochs_done[b], fused.member_state_dict(b), *optim.member_state(b))
-                        last_saved[member.trial_id] = (epochs_done[b], train_seconds)
-            epoch["checkpoint_s"] += time.perf_counter() - clock
-
-            clock = time.perf_counter()
-            newcomers = inbox.take(spec.array_id, outcome.epochs_done) if inbox is not None else []
-            if ended and len(ended) < count:
-                fused.remove_members(sorted(ended))
-                optim.remove_members(sorted(ended))
-            keep = [b for b in range(count) if b not in ended]
-            members, epochs_done = [members[b] for b in keep], [epochs_done[b] for b in keep]
-            if newcomers:
-                models = build_models(workload, newcomers, spec.seed)
-                new_epochs, new_states = resume_members(spec, newcomers, models)
-                _resumed(writer, spec, newcomers, new_epochs, new_states)
-                if members:
-                    fused.add_members(models)
-                    optim.add_members(recipes(workload, spec.training, newcomers))
-                else:  # every member ended at this boundary: the newcomers make a fresh array
-                    fused = fusion.fuse(models).to(device)
-                    optim = ArrayOptimizer(fused, recipes(workload, spec.training, newcomers), device)
-                _load_states(optim, len(members), new_states)
-                joined = _joined(newcomers, new_epochs, new_states)
-                members += newcomers
-                epochs_done += new_epochs
-            epoch["build_s"] += time.perf_counter() - clock
-            for phase, seconds in epoch.items():
-                timings[phase] += seconds
-
-        writer.flush()
-        if train_seconds > 0:
-            outcome.models_steps_per_s = member_steps / train_seconds
-            outcome.members = round(member_steps / steps)
+            run.timings["report_s"] += time.perf_counter() - clock
+            run.boundary(reply)
+        run.finish()
+    except NotFused as exc:
+        run.not_fused(exc.error)
     except Exception as exc:  # the array fails as a whole; every member still training records why
-        outcome.error = f"{type(exc).__name__}: {exc}"
+        run.fail(exc)
+    finally:
+        run.close()
+    return run.outcome
+
+
+_T = TypeVar("_T")
+
+
+def _optimizer(model: ArrayModel, members: Sequence[Recipe], device: torch.device) -> ArrayOptimizer:
+    """The array's optimizer over its model's parameters (an unfused model's have a member axis too)."""
+    return ArrayOptimizer(cast(fusion.FusedModel, model), members, device)  # it takes only model.parameters()
+
+
+class ArrayRun:
+    """One array as :func:`train_array` trains it: what it holds from one epoch boundary to
+    the next (its data, fused model, optimizer, members and their epochs, checkpoints), and
+    one method per phase of an epoch."""
+
+    workload: Workload
+    x: torch.Tensor
+    y: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    metrics: list[Metric]
+    fused: ArrayModel
+    optim: ArrayOptimizer
+    batch_size: int
+    generator: torch.Generator
+
+    def __init__(self, spec: ArraySpec, device: torch.device, inbox: Inbox | None) -> None:
+        self.spec, self.device, self.inbox = spec, device, inbox
+        self.outcome = ArrayOutcome(array_id=spec.array_id)
+        self.timings: defaultdict[str, float] = defaultdict(float)  # seconds by phase, whole array
+        self.members: list[MemberSpec] = list(spec.members)
+        self.epochs_done: list[int] = []  # each member's, resumed epochs included
+        self.joined: list[Joined] = []  # members that started since the last report
+        self.writer = CheckpointWriter(get_store(spec.artifact_dir) if spec.artifact_dir else None)
+        self.last_saved: dict[int, tuple[int, float]] = {}  # trial id -> (epochs done, train seconds) at its last checkpoint
+        self.sent: deque[list[tuple[str, int]]] = deque()  # per report not yet acknowledged: the checkpoints it named
+        self.member_steps, self.steps, self.train_seconds = 0, 0, 0.0
+        self.built = 0.0  # the build's seconds, in the first epoch's report
+        self.unproven: set[bool] = set()  # training flags the fused model has not run in yet
+        self.warned: set[str] = set()  # warnings reported already
+        # The epoch between two boundaries: its timings, its members, those that end or leave.
+        self.epoch_s: defaultdict[str, float] = defaultdict(float)
+        self.count = 0
+        self.ended: dict[int, str] = {}  # member index -> how it ended at this boundary
+        self.leaving: list[int] = []  # member indices preempted at this boundary
+
+    # -- building ----------------------------------------------------------------------------------
+    def build(self) -> None:
+        """The data on the device, the members' models (resumed from their checkpoints), the
+        fused model and its optimizer."""
+        clock = time.perf_counter()
+        spec, members = self.spec, self.members
+        self.workload = workload = get_workload(spec.workload)
+        train, val = workload.datasets()
+        self.x, self.y = (t.to(self.device) for t in train.tensors)
+        self.x_val, self.y_val = (t.to(self.device) for t in val.tensors)
+        self.metrics = objectives(workload, spec.training)
+        models = build_models(workload, members, spec.seed)
+        self.epochs_done, states = resume_members(spec, members, models)
+        _resumed(self.writer, spec, members, self.epochs_done, states)
+        self.fused = self._fuse(models)
+        self.optim = _optimizer(self.fused, recipes(workload, spec.training, members), self.device)
+        _load_states(self.optim, 0, states)
+        self.joined = _joined(members, self.epochs_done, states)
+        self.batch_size = workload.batch_size_for(members[0].params)
+        # The data order is the array's members' (the first's number), not the array id's,
+        # which depends on how the database numbered earlier arrays.
+        self.generator = torch.Generator().manual_seed(spec.seed + min(m.number for m in members))
+        # In the first epoch's report: the control plane weighs moving members by it.
+        self.built = time.perf_counter() - clock
+
+    def _fuse(self, models: list[nn.Module]) -> ArrayModel:
+        """The members' models as one fused model on the device, or, for a class that fuses
+        by neither path, the one member's own model (:class:`Unfused`). A fused model is on
+        trial until it has run a training step and an evaluation (:meth:`_proving`)."""
+        if not self.spec.fused:
+            if len(models) != 1:
+                raise ValueError(f"an unfused array trains one member, not {len(models)}")
+            self.unproven = set()
+            return Unfused(models[0].to(self.device))
+        try:
+            fused = fusion.fuse(models).to(self.device)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise
+            raise NotFused(exc) from exc
+        self.unproven = {True, False}
+        return fused
+
+    def _proving(self, training: bool, call: Callable[[], _T]) -> _T:
+        """``call()``, a call of the fused model in train (``training``) or eval mode. On its
+        first call in that mode, what it raises may be fusion's failure: :class:`NotFused`."""
+        if training not in self.unproven:
+            return call()
+        try:
+            out = call()
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise
+            raise NotFused(exc) from exc
+        self.unproven.discard(training)
+        return out
+
+    # -- an epoch ----------------------------------------------------------------------------------
+    def epoch(self) -> EpochReport:
+        """Train and evaluate one epoch; end, save and release members; the epoch's report."""
+        self.epoch_s = defaultdict(float)
+        self.epoch_s["build_s"], self.built = self.built, 0.0
+        self.count = len(self.members)
+        final_losses, epoch_steps = self._train()
+        solo = self._probe(epoch_steps)
+        values, out = self._evaluate()
+        self.outcome.epochs_done += 1
+        reports = self._end_members(final_losses, values, out)
+        self._release()
+        return self._report(reports, epoch_steps, solo)
+
+    def _train(self) -> tuple[list[float], int]:
+        """One pass over the training data: each member's last loss, and the steps taken."""
+        self.fused.train()
+        clock = time.perf_counter()
+        order = torch.randperm(len(self.y), generator=self.generator).to(self.device)
+        losses = torch.zeros(self.count, device=self.device)
+        epoch_steps = 0
+        for begin in range(0, len(self.y), self.batch_size):
+            idx = order[begin : begin + self.batch_size]
+            losses = self._proving(True, lambda idx=idx: self._step(idx))  # type: ignore[misc]
+            epoch_steps += 1
+        final_losses = losses.detach().cpu().tolist()
+        train_s = self.epoch_s["train_s"] = time.perf_counter() - clock
+        self.member_steps += self.count * epoch_steps
+        self.steps += epoch_steps
+        self.train_seconds += train_s
+        return final_losses, epoch_steps
+
+    def _step(self, idx: torch.Tensor) -> torch.Tensor:
+        """One optimization step of every member on the mini-batch ``idx``; their losses."""
+        count, loss = self.count, self.workload.loss
+        if self.optim.amp:
+            with self.optim.autocast():
+                out = self.fused(fusion.broadcast(self.x[idx], count))
+                losses = fusion.per_member_loss(loss, out, fusion.broadcast(self.y[idx], count))
+        else:
+            out = self.fused(fusion.broadcast(self.x[idx], count))
+            losses = fusion.per_member_loss(loss, out, fusion.broadcast(self.y[idx], count))
+        self.optim.step(losses)
+        return losses
+
+    def _probe(self, epoch_steps: int) -> float | None:
+        """The class's unfused speed, once, when the spec asks for it (its first epoch)."""
+        if not self.spec.probe_solo or self.outcome.epochs_done != 0:
+            return None
+        clock = time.perf_counter()
+        solo = probe_solo_speed(self.workload, self.members[0], self.x, self.y, steps=epoch_steps, training=self.spec.training)
+        self.epoch_s["probe_s"] = time.perf_counter() - clock
+        return solo
+
+    def _evaluate(self) -> tuple[list[float], torch.Tensor]:
+        """The validation pass: each member's first objective and the fused outputs; the
+        schedules step once per epoch, after it."""
+        clock = time.perf_counter()
+        self.fused.eval()
+        with torch.no_grad(), self.optim.autocast() if self.optim.amp else contextlib.nullcontext():
+            out = self._proving(False, lambda: self.fused(fusion.broadcast(self.x_val, self.count)))
+        values = [_measure(self.metrics[0], self.fused, b, out, self.y_val) for b in range(self.count)]
+        self.optim.end_epoch(values)
+        self.epoch_s["eval_s"] = time.perf_counter() - clock
+        return values, out
+
+    def _end_members(self, final_losses: list[float], values: list[float], out: torch.Tensor) -> list[MemberReport]:
+        """Each member's report; members that end on the worker's side: diverged, or done
+        (weights saved first)."""
+        clock = time.perf_counter()
+        spec, outcome, metrics = self.spec, self.outcome, self.metrics
+        self.ended = {}
+        reports = []
+        for b, member in enumerate(self.members):
+            self.epochs_done[b] += 1
+            step = self.epochs_done[b] - 1
+            if not math.isfinite(final_losses[b]) or not math.isfinite(values[b]):
+                error = f"training diverged: non-finite loss at epoch {step}"
+                reports.append(MemberReport(member.trial_id, step, values[b], "FAIL", error=error))
+                self.ended[b], outcome.failed[member.trial_id] = "FAIL", "training diverged"
+            elif self.epochs_done[b] >= spec.epochs:
+                finals = (values[b], *(_measure(m, self.fused, b, out, self.y_val) for m in metrics[1:]))
+                bad = [m.name for m, v in zip(metrics, finals) if not math.isfinite(v)]
+                if bad:
+                    error = f"objective {bad[0]} is not finite at epoch {step}"
+                    reports.append(MemberReport(member.trial_id, step, values[b], "FAIL", error=error))
+                    self.ended[b], outcome.failed[member.trial_id] = "FAIL", error
+                    continue
+                path = save_member(self.fused, b, spec, member) if spec.artifact_dir is not None else None
+                reports.append(MemberReport(member.trial_id, step, values[b], "COMPLETE", state_dict=path, values=finals))
+                self.ended[b] = "COMPLETE"
+                outcome.completed.append(member.trial_id)
+            else:
+                reports.append(MemberReport(member.trial_id, step, values[b]))
+        self.epoch_s["save_s"] = time.perf_counter() - clock
+        return reports
+
+    def _release(self) -> None:
+        """Members the scheduler preempted leave with their checkpoint (only where there is
+        one), on disk before the report lets another array take them."""
+        clock = time.perf_counter()
+        spec, members = self.spec, self.members
+        release = self.inbox.released(spec.array_id) if self.inbox is not None and spec.artifact_dir else set()
+        self.leaving = [b for b, m in enumerate(members) if b not in self.ended and m.trial_id in release]
+        for b in self.leaving:
+            self._save(b)
+            self.outcome.released.append(members[b].trial_id)
+        if self.leaving:
+            self.writer.flush()
+        self.epoch_s["checkpoint_s"] = time.perf_counter() - clock
+
+    def _save(self, b: int) -> None:
+        """Checkpoint member ``b`` (in the background): weights, optimizer and schedules."""
+        self.writer.save(_folder(self.spec, self.members[b]), self.epochs_done[b], self.fused.member_state_dict(b), *self.optim.member_state(b))
+
+    def _report(self, reports: list[MemberReport], epoch_steps: int, solo: float | None) -> EpochReport:
+        """The epoch's report. Each member's newest checkpoint that is completely written: what
+        the control plane may resume it from (the one being written now may not be there yet)."""
+        spec, members = self.spec, self.members
+        durable = {m.trial_id: self.writer.durable(_folder(spec, m)) for m in members} if spec.artifact_dir else {}
+        report = EpochReport(
+            array_id=spec.array_id,
+            members=tuple(dataclasses.replace(r, checkpoint_epoch=durable.get(r.trial_id)) for r in reports),
+            joined=tuple(self.joined),
+            released=tuple(members[b].trial_id for b in self.leaving),
+            size=self.count,
+            member_steps=self.count * epoch_steps,
+            train_seconds=self.epoch_s["train_s"],
+            solo_steps_per_s=solo,
+            timings=dict(self.epoch_s),
+            warnings=self._new_warnings(),
+        )
+        self.sent.append([(_folder(spec, m), done) for m in members if (done := durable.get(m.trial_id)) is not None])
+        return report
+
+    def _new_warnings(self) -> tuple[str, ...]:
+        """The modules the fused model runs once per member, not reported yet: exact, but
+        without fusion's speed-up, which the study's user should know."""
+        if not isinstance(self.fused, fusion.FusedModel):
+            return ()
+        found = []
+        for path, why in self.fused.batched_modules().items():
+            if why is None:
+                continue
+            label = getattr(self.fused.module.get_submodule(path), "label", f"submodule '{path or '<root>'}'")
+            text = f"{label} runs once per member, exact but without fusion's speed-up ({why})"
+            if text not in self.warned:
+                self.warned.add(text)
+                found.append(text)
+        return tuple(found)
+
+    # -- the boundary ------------------------------------------------------------------------------
+    def boundary(self, reply: EpochReply) -> None:
+        """After the control plane's reply: its acknowledgements and prunes, the members'
+        checkpoints, and the array's membership for the next epoch."""
+        for _ in range(min(reply.acked, len(self.sent))):  # recorded: the older checkpoints can go
+            for folder, done in self.sent.popleft():
+                self.writer.confirm(folder, done)
+        self.joined = []
+        for b, member in enumerate(self.members):
+            if b not in self.ended and member.trial_id in reply.prune:
+                self.ended[b] = "PRUNED"
+                self.outcome.pruned.append(member.trial_id)
+        for b in self.leaving:
+            self.ended[b] = "RELEASED"
+        self._checkpoint()
+        self._change_membership()
+        for phase, seconds in self.epoch_s.items():
+            self.timings[phase] += seconds
+
+    def _checkpoint(self) -> None:
+        """Checkpoints in the background: the next epoch does not wait for the disk. A member
+        is saved once checkpoint_frequency epochs and checkpoint_interval_s seconds of
+        training have passed since its last checkpoint; the checkpoints of members that
+        ended (not released) go."""
+        clock = time.perf_counter()
+        spec = self.spec
+        if spec.artifact_dir is not None:
+            for b, member in enumerate(self.members):
+                if self.ended.get(b, "RELEASED") != "RELEASED":
+                    self.writer.remove(_folder(spec, member))
+                    self.last_saved.pop(member.trial_id, None)
+                    continue
+                epochs_at, seconds_at = self.last_saved.setdefault(
+                    member.trial_id, (self.epochs_done[b] - 1, self.train_seconds - self.epoch_s["train_s"])
+                )
+                if (
+                    b not in self.ended
+                    and spec.checkpoint_frequency
+                    and self.epochs_done[b] - epochs_at >= spec.checkpoint_frequency
+                    and self.train_seconds - seconds_at >= spec.checkpoint_interval_s
+                ):
+                    self._save(b)
+                    self.last_saved[member.trial_id] = (self.epochs_done[b], self.train_seconds)
+        self.epoch_s["checkpoint_s"] += time.perf_counter() - clock
+
+    def _change_membership(self) -> None:
+        """The members that ended leave the fused model; newcomers waiting in the inbox join
+        it, or make a fresh one where every member ended."""
+        clock = time.perf_counter()
+        spec, count, ended = self.spec, self.count, self.ended
+        newcomers = self.inbox.take(spec.array_id, self.outcome.epochs_done) if self.inbox is not None else []
+        if ended and len(ended) < count:
+            self.fused.remove_members(sorted(ended))
+            self.optim.remove_members(sorted(ended))
+        keep = [b for b in range(count) if b not in ended]
+        self.members, self.epochs_done = [self.members[b] for b in keep], [self.epochs_done[b] for b in keep]
+        if newcomers:
+            models = build_models(self.workload, newcomers, spec.seed)
+            new_epochs, new_states = resume_members(spec, newcomers, models)
+            _resumed(self.writer, spec, newcomers, new_epochs, new_states)
+            new_recipes = recipes(self.workload, spec.training, newcomers)
+            if self.members:
+                self.fused.add_members(models)
+                self.optim.add_members(new_recipes)
+            else:  # every member ended at this boundary: the newcomers make a fresh array
+                self.fused = self._fuse(models)
+                self.optim = _optimizer(self.fused, new_recipes, self.device)
+            _load_states(self.optim, len(self.members), new_states)
+            self.joined = _joined(newcomers, new_epochs, new_states)
+            self.members += newcomers
+            self.epochs_done += new_epochs
+        self.epoch_s["build_s"] += time.perf_counter() - clock
+
+    # -- the end -----------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Every member has ended: the checkpoints are written, the array's speed measured."""
+        self.writer.flush()
+        if self.train_seconds > 0:
+            self.outcome.models_steps_per_s = self.member_steps / self.train_seconds
+            self.outcome.members = round(self.member_steps / self.steps)
+
+    def not_fused(self, error: Exception) -> None:
+        """The fused model failed to build, or its first step or evaluation, with ``error``.
+        If the first member's own model trains, the model fuses by neither path: the outcome
+        says why, naming the module, and its members (not failed, their checkpoints kept)
+        train unfused. Otherwise the model cannot train at all: the array fails with ``error``."""
+        member = self.members[0]
+        try:
+            probe_solo_speed(self.workload, member, self.x, self.y, steps=1, warmup=0, training=self.spec.training)
+            model = self.workload.build_model(member.params).to(self.device).eval()
+            with torch.no_grad():
+                model(self.x_val)
+        except Exception:
+            self.fail(error)
+            return
+        self.outcome.unfusible = f"{where_it_failed(error, model)}: {_said(error)}"
+        earlier = error.__context__ if error.__cause__ is None else None
+        if earlier is not None:  # the per-member loop failed where vmap had failed first
+            self.outcome.unfusible += f" (raised while handling {_said(earlier)})"
+        self.outcome.error = f"it fuses by neither path (its trials train unfused): {self.outcome.unfusible}"
+        log.warning("array %d: %s", self.spec.array_id, self.outcome.error)
+
+    def fail(self, exc: Exception) -> None:
+        """The array fails as a whole: every member still training records why."""
+        self.outcome.error = f"{type(exc).__name__}: {exc}"
         # Out of memory: the control plane splits the array and retries the halves, which
         # resume from the members' checkpoints; any other error fails the members.
-        outcome.oom = is_out_of_memory(exc)
-        detail = outcome.error + "\n" + traceback.format_exc(limit=5)
-        for member in members:
-            outcome.failed.setdefault(member.trial_id, detail)
-            key = _checkpoint_of(spec, member)
-            if key is not None and not outcome.oom:
-                writer.remove(key)
-    finally:
+        self.outcome.oom = is_out_of_memory(exc)
+        detail = self.outcome.error + "\n" + "".join(traceback.format_exception(exc, limit=5))
+        for member in self.members:
+            self.outcome.failed.setdefault(member.trial_id, detail)
+            key = _checkpoint_of(self.spec, member)
+            if key is not None and not self.outcome.oom:
+                self.writer.remove(key)
+
+    def close(self) -> None:
+        """Whatever ended the array: its checkpoints written (or the error that stopped them)."""
         try:
-            writer.close()
+            self.writer.close()
         except OSError as exc:  # a checkpoint could not be written: the trials can't resume
-            outcome.error = outcome.error or f"checkpoint write failed: {exc}"
-        if outcome.oom and device.type == "cuda":
+            self.outcome.error = self.outcome.error or f"checkpoint write failed: {exc}"
+        if self.outcome.oom and self.device.type == "cuda":
             torch.cuda.empty_cache()  # what the failed array held, for the halves
-    outcome.timings = dict(timings)
-    return outcome
+        self.outcome.timings = dict(self.timings)
