@@ -171,7 +171,8 @@ def _shapes(walked: list[tuple[str, nn.Module, ModuleLayout]]) -> dict[str, tupl
 
 
 def _shape(tensor: torch.Tensor, qualified: str) -> tuple[int, ...]:
-    if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+    # What nn.parameter.is_lazy checks (the mixin under both is missing from torch's stubs).
+    if isinstance(tensor, nn.parameter.UninitializedParameter | nn.parameter.UninitializedBuffer):
         raise FusionError(
             f"tensor {qualified!r} is uninitialized (lazy module); materialise the model "
             "(e.g. run one forward pass on meta tensors) before fusing it or taking its signature"

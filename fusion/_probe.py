@@ -148,7 +148,8 @@ def _call_axes(pairs: list[tuple[Call, Call]]) -> Axes | None:
 
 def _split(calls: tuple[list[Call], list[Call]], batched: set[str]) -> tuple[list[tuple[Call, Call]], list[tuple[Call, Call]]]:
     """The calls paired across the two runs: those made outside any batched module, and inside."""
-    outer, inner = [], []
+    outer: list[tuple[Call, Call]] = []
+    inner: list[tuple[Call, Call]] = []
     for c1, c2 in zip(*calls):
         (inner if any(p in batched for p in c1.stack) else outer).append((c1, c2))
     return outer, inner
@@ -170,9 +171,9 @@ def place(root: nn.Module, template: nn.Module, records: Records, num_members: i
                     f"{module_label(path, module)} calls a fused layer with inputs whose batch axis "
                     "cannot be told (see the fused model's dry run); fusion cannot run it"
                 )
-            layer = make_batched(module, path, num_members, allow_loop)
-            layer.attach_plain(template.get_submodule(path))
-            layers[path] = layer
+            made = make_batched(module, path, num_members, allow_loop)
+            made.attach_plain(template.get_submodule(path))
+            layers[path] = made
     batched = {p for p, m in layers.items() if isinstance(m, BatchedModule)}
     for path, layer in layers.items():
         outer, inner = _split(records.get(path, ([], [])), batched)

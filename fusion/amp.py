@@ -104,10 +104,10 @@ class GradScaler:
         self._restore_members(optimizer, skip, saved)
         return result
 
-    def _save_members(self, optimizer: FusedOptimizer, members: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _save_members(self, optimizer: FusedOptimizer, members: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the skipped members' slices of every parameter and state tensor."""
         index = torch.tensor(members)
-        saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 saved.append((p, p.data.index_select(0, index.to(p.device))))
@@ -117,7 +117,7 @@ class GradScaler:
         return saved
 
     def _restore_members(self, optimizer: FusedOptimizer, members: list[int],
-                         saved: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+                         saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         restored = {id(t) for t, _ in saved}
         index = torch.tensor(members)
         for tensor, values in saved:

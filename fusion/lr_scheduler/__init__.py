@@ -39,7 +39,7 @@ class _MemberOptimizer(Optimizer):
             defaults[key] = groups[0][key]
         super().__init__(groups, defaults)
 
-    def step(self, closure: Any = None) -> None:  # noqa: D102 - nothing to optimise
+    def step(self, closure: Any = None) -> Any:  # noqa: D102 - nothing to optimise
         return None
 
 
@@ -93,7 +93,7 @@ class FusedLRScheduler:
     of B lists.
     """
 
-    torch_cls: ClassVar[type]
+    torch_cls: ClassVar[type[_torch_sched.LRScheduler]]
     #: Arguments whose torch value is already a sequence.
     sequence_args: ClassVar[frozenset[str]] = frozenset()
 
@@ -214,7 +214,7 @@ class FusedLRScheduler:
             s.load_state_dict(st)
 
 
-def _twin(torch_cls: type, sequence_args: frozenset[str] = frozenset()) -> type[FusedLRScheduler]:
+def _twin(torch_cls: type[_torch_sched.LRScheduler], sequence_args: frozenset[str] = frozenset()) -> type[FusedLRScheduler]:
     doc = (
         f"Per-member ``torch.optim.lr_scheduler.{torch_cls.__name__}``: same arguments, each a "
         "single value or a sequence of length B."
@@ -243,7 +243,7 @@ MultiplicativeLR = _twin(_torch_sched.MultiplicativeLR)
 class ReduceLROnPlateau(_twin(_torch_sched.ReduceLROnPlateau)):  # type: ignore[misc]
     """Per-member ``ReduceLROnPlateau``: ``step`` takes one metric per member."""
 
-    def step(self, metrics: Sequence[float] | torch.Tensor) -> None:  # type: ignore[override]
+    def step(self, metrics: Sequence[float] | torch.Tensor) -> None:
         """Feed each member its own metric (a sequence or ``Tensor[B]``)."""
         values = metrics.tolist() if isinstance(metrics, torch.Tensor) else list(metrics)
         views = self._views()

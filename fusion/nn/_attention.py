@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -58,16 +59,16 @@ class MultiheadAttention(FusedLayer):
         self.add_zero_attn = mha.add_zero_attn
 
     @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> MultiheadAttention:
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> Self:
         check_same_config(members, path)
-        first = members[0]
-        assert isinstance(first, nn.MultiheadAttention)
-        layer = cls(len(members), first)
+        mhas = [m for m in members if isinstance(m, nn.MultiheadAttention)]
+        assert len(mhas) == len(members)  # check_same_config: the members are of one class
+        layer = cls(len(members), mhas[0])
         for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
                      "bias_k", "bias_v"):
             tensors = [getattr(m, name) for m in members]
             layer.register_parameter(name, stack_param(tensors))
-        layer.out_proj = Linear.from_members([m.out_proj for m in members], f"{path}.out_proj")
+        layer.out_proj = Linear.from_members([m.out_proj for m in mhas], f"{path}.out_proj")
         return layer
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -77,6 +78,18 @@ class MultiheadAttention(FusedLayer):
         wt = weight.transpose(1, 2)
         out = torch.bmm(xv, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), xv, wt)
         return out.reshape(*x.shape[:-1], weight.shape[1])
+
+    def _in_projections(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query, key and value projection weights: slices of the one packed weight when
+        q, k and v share ``embed_dim`` (as torch packs them), else the three weights."""
+        e = self.embed_dim
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight
+            assert w is not None
+            return w[:, :e], w[:, e : 2 * e], w[:, 2 * e :]
+        wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        assert wq is not None and wk is not None and wv is not None
+        return wq, wk, wv
 
     def forward(
         self,
@@ -103,11 +116,7 @@ class MultiheadAttention(FusedLayer):
         bq = bk = bv = None
         if bias is not None:
             bq, bk, bv = bias[:, :e_w], bias[:, e_w : 2 * e_w], bias[:, 2 * e_w :]
-        if self._qkv_same_embed_dim:
-            w = self.in_proj_weight
-            wq, wk, wv = w[:, :e_w], w[:, e_w : 2 * e_w], w[:, 2 * e_w :]
-        else:
-            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        wq, wk, wv = self._in_projections()
         q = self._project(query, wq, bq)
         k = self._project(key, wk, bk)
         v = self._project(value, wv, bv)
@@ -169,7 +178,7 @@ class EncoderLayerComposablePath(nn.TransformerEncoderLayer):
     what the fast path computes.
     """
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         src: torch.Tensor,
         src_mask: torch.Tensor | None = None,
@@ -246,7 +255,7 @@ class EncoderComposablePath(nn.TransformerEncoder):
             for s_b, k_b in zip(src.chunk(b, dim=batch_dim), keep.chunk(b, dim=0))
         ]
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         src: torch.Tensor,
         mask: torch.Tensor | None = None,

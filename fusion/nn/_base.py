@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import nn
@@ -161,7 +161,7 @@ class FusedLayer(nn.Module):
     stacked_buffers: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> FusedLayer:
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> Self:
         """Build the fused twin of ``members`` (same type); ``path`` is for messages.
 
         Members must agree on every plain attribute but ``per_member_attrs``; the twin is

@@ -63,7 +63,7 @@ class BatchedModule(FusedLayer):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if in_batched_call():
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
+            return super().forward(*args, **kwargs)
         if self.num_members == 1:
             return self._single(args, kwargs)
         if self.training in self.per_member_reasons:
@@ -187,9 +187,10 @@ class BatchedModule(FusedLayer):
             if not isinstance(leaf, torch.Tensor):
                 merged.append(leaf)
                 continue
-            if out_axes[i] is None:
+            axis = out_axes[i]
+            if axis is None:
                 raise FusionError(f"{self.label}: output {i} has no batch axis")
-            merged.append(leaf if len(outs) == 1 else torch.cat([o[0][i] for o in outs], dim=out_axes[i]))
+            merged.append(leaf if len(outs) == 1 else torch.cat([o[0][i] for o in outs], dim=axis))
         return unflatten(merged, outs[0][1])
 
 

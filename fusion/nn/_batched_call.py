@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
-from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.utils import _pytree as pytree
 
 from .._errors import FusionError
 from ._holding import held, hold, holding, slots
+from ._vmap import vmap_interpreter
 
 if TYPE_CHECKING:
     from ._base import FusedLayer
@@ -176,7 +176,7 @@ def call_folded(layer: FusedLayer, args: tuple[Any, ...], kwargs: dict[str, Any]
     """Run ``layer`` inside a batched call, for all members at once (see the module docstring)."""
     plan = layer.fold_plans.get(layer.training)
     leaves, spec = flatten_call(args, kwargs)
-    interpreter = retrieve_current_functorch_interpreter()
+    interpreter = vmap_interpreter()
     level = interpreter.level()
     phys = {i: _unwrap_batched(t, level) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
     places = slots(layer)
@@ -211,7 +211,7 @@ def _check_plain(layer: FusedLayer) -> None:
 def per_member_flags(check: Any, *tensors: torch.Tensor) -> torch.Tensor:
     """Inside a batched call: ``check`` (Python code on tensors, returning a bool: what vmap
     cannot run) of each member's tensors, as one member's bool tensor under vmap."""
-    interpreter = retrieve_current_functorch_interpreter()
+    interpreter = vmap_interpreter()
     level, b = interpreter.level(), interpreter.batch_size()
     members = []
     for t in tensors:

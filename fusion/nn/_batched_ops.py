@@ -22,8 +22,9 @@ from typing import Any, Self
 import torch
 import torch.nn.functional as F
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
-from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.overrides import TorchFunctionMode
+
+from ._vmap import vmap_interpreter
 
 
 def _members_first(t: torch.Tensor, level: int, b: int) -> torch.Tensor:
@@ -37,7 +38,7 @@ def _members_first(t: torch.Tensor, level: int, b: int) -> torch.Tensor:
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
           *args: Any, **kwargs: Any) -> torch.Tensor:
     """Attention is per element of its leading batch axes: the member axis joins the first."""
-    interpreter = retrieve_current_functorch_interpreter()
+    interpreter = vmap_interpreter()
     level, b = interpreter.level(), interpreter.batch_size()
     q, k, v = (_members_first(t, level, b) for t in (query, key, value))
     mask = attn_mask
@@ -63,7 +64,7 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
 
 def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """``v * g / ||v||`` with the norm over every axis but ``dim``: the member axis joins ``dim``."""
-    interpreter = retrieve_current_functorch_interpreter()
+    interpreter = vmap_interpreter()
     level, b = interpreter.level(), interpreter.batch_size()
     pv, pg = _members_first(v, level, b), _members_first(g, level, b)
     if dim == -1:
@@ -87,7 +88,7 @@ def _cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     if (weight is not None or size_average is not None or reduce is not None or reduction != "mean"
             or target.is_floating_point() or input.dim() < 2):
         return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-    interpreter = retrieve_current_functorch_interpreter()
+    interpreter = vmap_interpreter()
     level, b = interpreter.level(), interpreter.batch_size()
     logits, labels = _members_first(input, level, b), _members_first(target, level, b)
     with interpreter.lower():

@@ -90,7 +90,7 @@ class Conv(_ConvBase):
         b = self.num_members
         self._check_batch(input)
         x = input
-        padding: tuple[int, ...] | str = self.padding
+        padding: tuple[int, ...] | str | int = self.padding
         if self.padding_mode != "zeros":
             # Same as torch: pad explicitly, then convolve without padding.
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
@@ -132,6 +132,8 @@ class ConvTranspose(_ConvBase):
             )
         b = self.num_members
         self._check_batch(input)
+        # _ConvNd declares a padding string ("same") too; a transposed convolution's is a tuple.
+        assert not isinstance(self.padding, str)
         # Transposed weights are [in, out/groups, *k]; member blocks stack along "in".
         w = self.weight.reshape(b * self.in_channels, *self.weight.shape[2:])
         bias = None if self.bias is None else self.bias.reshape(-1)

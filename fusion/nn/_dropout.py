@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,7 @@ from torch import nn
 
 from ._base import FusedLayer, check_same_config
 
-_FEATURE_FN = {nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d}
+_FEATURE_FN: dict[type[nn.Module], Callable[..., torch.Tensor]] = {nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d}
 
 
 class Dropout(FusedLayer):
@@ -34,11 +35,11 @@ class Dropout(FusedLayer):
         self.inplace = inplace
 
     @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> Dropout:
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> Self:
         check_same_config(members, path, ignore=cls.per_member_attrs)
-        first = members[0]
-        assert isinstance(first, nn.modules.dropout._DropoutNd)
-        return cls(len(members), type(first), [float(m.p) for m in members], first.inplace)
+        dropouts = [m for m in members if isinstance(m, nn.modules.dropout._DropoutNd)]
+        assert len(dropouts) == len(members)  # check_same_config: the members are of one class
+        return cls(len(members), type(dropouts[0]), [float(m.p) for m in dropouts], dropouts[0].inplace)
 
     def select_members(self, index: list[int]) -> None:
         super().select_members(index)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +40,12 @@ class Embedding(FusedLayer):
         self.sparse = emb.sparse
 
     @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> Embedding:
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> Self:
         if getattr(members[0], "sparse", False):
             raise FusionError(
                 f"submodule '{path}' (Embedding): sparse=True is not supported by fusion"
             )
-        return super().from_members(members, path)  # type: ignore[return-value]
+        return super().from_members(members, path)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         idx = self._to_front(input)

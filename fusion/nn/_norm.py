@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ class BatchNorm(FusedLayer):
         self._ranks = (2, 3) if isinstance(bn, nn.BatchNorm1d) else ((4,) if isinstance(bn, nn.BatchNorm2d) else (5,))
 
     @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> BatchNorm:
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> Self:
         layer = super().from_members(members, path)
         assert isinstance(layer, BatchNorm)
         layer.momentum = [m.momentum for m in members]  # type: ignore[misc]
@@ -88,7 +89,8 @@ class BatchNorm(FusedLayer):
         weight = None if self.weight is None else self.weight.reshape(-1)
         bias = None if self.bias is None else self.bias.reshape(-1)
         running_mean = running_var = None
-        if self.running_mean is not None and (not self.training or self.track_running_stats):
+        # Running statistics come in pairs: both buffers or neither (track_running_stats).
+        if self.running_mean is not None and self.running_var is not None and (not self.training or self.track_running_stats):
             running_mean = self.running_mean.view(-1)
             running_var = self.running_var.view(-1)
         uniform = factors is None or all(f == factors[0] for f in factors)
@@ -137,8 +139,8 @@ class BatchNorm(FusedLayer):
                 input, one(self.running_mean) if track else None, one(self.running_var) if track else None,
                 one(self.weight), one(self.bias), use_batch_stats, factor, self.eps,
             )
-        means = self.running_mean.unbind(0) if track else [None] * b
-        varis = self.running_var.unbind(0) if track else [None] * b
+        means = self.running_mean.unbind(0) if track and self.running_mean is not None else [None] * b
+        varis = self.running_var.unbind(0) if track and self.running_var is not None else [None] * b
         weights = self.weight.unbind(0) if self.weight is not None else [None] * b
         biases = self.bias.unbind(0) if self.bias is not None else [None] * b
         return torch.cat([
@@ -235,13 +237,13 @@ class InstanceNorm(FusedLayer):
         self.affine = norm.affine
 
     @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> InstanceNorm:
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> Self:
         first = members[0]
         if getattr(first, "track_running_stats", False):
             raise UnsupportedByTwin(
                 f"submodule '{path}' ({type(first).__name__}): track_running_stats=True is not supported"
             )
-        return super().from_members(members, path)  # type: ignore[return-value]
+        return super().from_members(members, path)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_batch(input)
@@ -250,6 +252,7 @@ class InstanceNorm(FusedLayer):
             return y
         b, c = self.num_members, self.num_features
         spatial = (1,) * (input.dim() - 2)
-        yv = y.reshape(b, -1, c, *input.shape[2:])
-        yv = yv * self.weight.reshape(b, 1, c, *spatial) + self.bias.reshape(b, 1, c, *spatial)
+        yv = y.reshape(b, -1, c, *input.shape[2:]) * self.weight.reshape(b, 1, c, *spatial)
+        if self.bias is not None:  # affine gives both; a missing bias is skipped, as in GroupNorm
+            yv = yv + self.bias.reshape(b, 1, c, *spatial)
         return yv.reshape(input.shape)

@@ -76,7 +76,9 @@ class MaxPool2d(FusedLayer):
 
     def forward(self, input: torch.Tensor) -> Any:
         if not self._channels_last(input):
-            return F.max_pool2d(
+            # torch's overloads of max_pool2d take return_indices as a literal True or False
+            # only, though the function dispatches on the value: a bool held matches none.
+            return F.max_pool2d(  # type: ignore[call-overload]
                 input, self.kernel_size, self.stride, self.padding, self.dilation,
                 ceil_mode=self.ceil_mode, return_indices=self.return_indices,
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ class _RNNBase(FusedLayer):
         self._names = [n for n in rnn._flat_weights_names]
 
     @classmethod
-    def from_members(cls, members: Sequence[nn.Module], path: str) -> _RNNBase:
+    def from_members(cls, members: Sequence[nn.Module], path: str) -> Self:
         check_same_config(members, path)
         first = members[0]
         assert isinstance(first, nn.RNNBase)
@@ -124,7 +125,8 @@ class _RNNBase(FusedLayer):
         return out, h_t
 
 
-    def _forward_native(self, input: torch.Tensor, hx: object, has_cell: bool) -> tuple[torch.Tensor, object]:
+    def _forward_native(self, input: torch.Tensor, hx: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+                        has_cell: bool) -> tuple[torch.Tensor, object]:
         b = self.num_members
         axis = 0 if self.batch_first else 1
         self._check_batch(input, axis)
@@ -133,20 +135,25 @@ class _RNNBase(FusedLayer):
             shape = (self.num_layers * dirs, input.shape[axis], self.hidden_size)
             zeros = input.new_zeros(shape)
             hx = (zeros, zeros) if has_cell else zeros
-        states = [t.chunk(b, dim=1) for t in (hx if has_cell else (hx,))]  # type: ignore[union-attr]
+        if has_cell:
+            assert isinstance(hx, tuple)
+            states = [t.chunk(b, dim=1) for t in hx]
+        else:
+            assert isinstance(hx, torch.Tensor)
+            states = [hx.chunk(b, dim=1)]
         weights = [getattr(self, name).unbind(0) for name in self._names]
         train = self.training
         outs, hs, cs = [], [], []
         for m, xm in enumerate(input.chunk(b, dim=axis)):
             flat = [w[m] for w in weights]
             if has_cell:
-                out, h, c = torch._VF.lstm(  # type: ignore[attr-defined]
+                out, h, c = torch._VF.lstm(
                     xm, (states[0][m], states[1][m]), flat, self.bias, self.num_layers,
                     self.dropout, train, self.bidirectional, self.batch_first,
                 )
                 cs.append(c)
             else:
-                out, h = torch._VF.gru(  # type: ignore[attr-defined]
+                out, h = torch._VF.gru(
                     xm, states[0][m], flat, self.bias, self.num_layers, self.dropout, train,
                     self.bidirectional, self.batch_first,
                 )

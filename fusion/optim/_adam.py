@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ._base import FusedOptimizer, closure_loss
+from ._base import FusedOptimizer, closure_loss, grads_of
 
 Num = float | Sequence[float]
 Betas = tuple[float, float] | Sequence[tuple[float, float]]
@@ -90,7 +90,7 @@ class Adam(FusedOptimizer):
         all members agree; with every value and step count shared (one member, say) it is
         torch's fused kernel (as in ``Adam(fused=True)``), one call.
         """
-        grads = [p.grad for p in params]
+        grads = grads_of(params)
         # Step counts are per member and usually the same tuple for all the group's
         # parameters; parameters whose counts differ (gradients missing at some steps)
         # are updated separately.
@@ -128,7 +128,7 @@ class Adam(FusedOptimizer):
             )
             return
         if maximize:
-            grads = torch._foreach_neg(grads)
+            grads = list(torch._foreach_neg(grads))
         if any(w != 0 for w in wds):
             if self._decoupled:
                 decay = [1 - lr * wd for lr, wd in zip(lrs, wds)]
@@ -136,9 +136,9 @@ class Adam(FusedOptimizer):
             else:
                 wd = self._per_member(group, "weight_decay", wds, params)
                 if isinstance(wd, float):
-                    grads = torch._foreach_add(grads, params, alpha=wd)
+                    grads = list(torch._foreach_add(grads, params, alpha=wd))
                 else:
-                    grads = torch._foreach_addcmul(grads, params, wd)
+                    grads = list(torch._foreach_addcmul(grads, params, wd))
         beta1 = [b[0] for b in betas]
         beta2 = [b[1] for b in betas]
         torch._foreach_lerp_(exp_avgs, grads, self._per_member(group, "1-beta1", [1 - b for b in beta1], params))

@@ -180,13 +180,14 @@ class FusedOptimizer(Optimizer):
             t = torch.tensor(list(values), dtype=like.dtype, device=like.device)
             return t.view(-1, *([1] * (like.dim() - 1)))
         key = (tuple(values), like.dtype, like.device, like.dim())
-        t = self._hp_cache.get(key)
-        if t is None:
-            if len(self._hp_cache) > 4096:
-                self._hp_cache.clear()
-            t = torch.tensor(list(values), dtype=like.dtype, device=like.device)
-            t = t.view(-1, *([1] * (like.dim() - 1)))
-            self._hp_cache[key] = t
+        cached = self._hp_cache.get(key)
+        if cached is not None:
+            return cached
+        if len(self._hp_cache) > 4096:
+            self._hp_cache.clear()
+        t = torch.tensor(list(values), dtype=like.dtype, device=like.device)
+        t = t.view(-1, *([1] * (like.dim() - 1)))
+        self._hp_cache[key] = t
         return t
 
     def _per_member(
@@ -388,3 +389,12 @@ def closure_loss(closure: Any) -> Any:
         return None
     with torch.enable_grad():
         return closure()
+
+
+def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of ``params``, which a step takes only with one (``p.grad is not None``)."""
+    grads = []
+    for p in params:
+        assert p.grad is not None
+        grads.append(p.grad)
+    return grads

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._base import FusedOptimizer, closure_loss
+from ._base import FusedOptimizer, closure_loss, grads_of
 
 Num = float | Sequence[float]
 
@@ -72,7 +72,7 @@ class SGD(FusedOptimizer):
         """
         lrs, wds, momenta, damps = group["lr"], group["weight_decay"], group["momentum"], group["dampening"]
         use_momentum = any(m != 0 for m in momenta)
-        grads = [p.grad for p in params]
+        grads = grads_of(params)
         states = [self.state[p] for p in params] if use_momentum else []
         # Per parameter: no momentum state yet (every member on its first step), or
         # state whose rows of some members are on their first step (members added or
@@ -132,7 +132,7 @@ class SGD(FusedOptimizer):
         pm = self._per_member
         owned = False  # whether ``grads`` are this step's temporaries (else the .grad tensors)
         if group["maximize"]:
-            grads = torch._foreach_neg(grads)
+            grads = list(torch._foreach_neg(grads))
             owned = True
         if any(w != 0 for w in wds):
             grads = _plus_scaled(grads, params, pm(group, "weight_decay", wds, params), in_place=owned)
