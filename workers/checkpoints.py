@@ -230,15 +230,21 @@ class CheckpointWriter:
         with self._lock:
             return self._durable.get(folder)
 
+    def _store(self) -> ArtifactStore:
+        """The store, which an array that saves checkpoints has (a writer without one writes nothing)."""
+        if self.store is None:
+            raise RuntimeError("this checkpoint writer has no artifact store: its array keeps no checkpoints")
+        return self.store
+
     def _save(self, folder: str, epochs_done: int, *state: Any) -> None:
-        save_checkpoint(self.store, f"{folder}/{epochs_done}.pt", epochs_done, *state)
+        save_checkpoint(self._store(), f"{folder}/{epochs_done}.pt", epochs_done, *state)
         with self._lock:
             self._durable[folder] = epochs_done
             self._written.setdefault(folder, set()).add(epochs_done)
 
     def _confirm(self, folder: str, epochs_done: int, newer: bool = False) -> None:
         if newer:
-            kept = remove_checkpoints(self.store, folder, keep=epochs_done)
+            kept = remove_checkpoints(self._store(), folder, keep=epochs_done)
             with self._lock:
                 self._recorded[folder] = kept
                 self._written[folder] = set(kept)
@@ -251,14 +257,14 @@ class CheckpointWriter:
             old = sorted(e for e in written if e < epochs_done and e not in recorded)
             self._written[folder] = written - set(old)
         for epoch in old:
-            self.store.delete(f"{folder}/{epoch}.pt")
+            self._store().delete(f"{folder}/{epoch}.pt")
 
     def _remove(self, folder: str) -> None:
         with self._lock:
             self._durable.pop(folder, None)
             self._written.pop(folder, None)
             self._recorded.pop(folder, None)
-        remove_checkpoints(self.store, folder)
+        remove_checkpoints(self._store(), folder)
 
     def flush(self) -> None:
         """Wait for every write asked so far; re-raises the first one that failed."""

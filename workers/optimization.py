@@ -391,9 +391,9 @@ class ArrayOptimizer:
         first = recipes[0]
         self.settings = first.array_settings()
         self.recipes = list(recipes)
-        self.optimizer: FusedOptimizer = OPTIMIZERS[first.optimizer](
-            model.parameters(), **_per_member([r.hparams for r in recipes]), **first.options
-        )
+        # Each optimizer class takes its own keyword hyper-parameters, not the base's (params, defaults).
+        make: Callable[..., FusedOptimizer] = OPTIMIZERS[first.optimizer]
+        self.optimizer = make(model.parameters(), **_per_member([r.hparams for r in recipes]), **first.options)
         self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.amp = first.amp and device.type == "cuda"
         self.scaler = fusion.amp.GradScaler(len(recipes)) if self.amp else None

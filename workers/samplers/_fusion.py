@@ -448,7 +448,8 @@ class FusionSampler(BaseSampler):
             self._write(study, member)
 
     def _write(self, study: Study, member: _Member) -> None:
-        record = {"number": member.number, "group": member.group, "values": member.values, "refounds": member.refounds}
+        # The values are the trial's params: JSON, as Optuna's storages hold them.
+        record: dict[str, Any] = {"number": member.number, "group": member.group, "values": member.values, "refounds": member.refounds}
         study._storage.set_trial_system_attr(member.trial_id, ATTR, record)
 
     def _refound(self, study: Study, member: _Member) -> None:

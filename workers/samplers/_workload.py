@@ -52,8 +52,8 @@ def probe_values(distribution: BaseDistribution) -> list[Any]:
     if isinstance(distribution, FloatDistribution):
         points = _between(distribution.low, distribution.high, distribution.log)
         if distribution.step is not None:
-            step = distribution.step
-            points = [distribution.low + round((p - distribution.low) / step) * step for p in points]
+            grid = distribution.step
+            points = [distribution.low + round((p - distribution.low) / grid) * grid for p in points]
         return sorted({min(max(p, distribution.low), distribution.high) for p in points})
     raise TypeError(f"distribution must be an Optuna distribution, got {type(distribution).__name__}")
 
