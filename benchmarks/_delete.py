@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from benchmarks._bigstudy import create_studies, percentile, scratch_database, seed_trials, vacuum

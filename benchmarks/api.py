@@ -106,10 +106,9 @@ class Recorder:
     """The scheduling loop's one writer of results, as workers' reports reach it."""
 
     def __init__(self, url: str, studies: dict[int, str], tenant: str = "default") -> None:
-        from fusetune.server.loop import SchedulingLoop
         from fusetune.server.db import Study, get_sessionmaker
+        from fusetune.server.loop import SchedulingLoop
         from fusetune.server.settings import Settings
-
         from fusetune.workers.pool import WorkerPool
 
         # No Ray here: a pool that has started no worker (WorkerPool.__init__ would look for
@@ -311,8 +310,8 @@ def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         alone = [ingest(recorder, ingest_arrays, args.ingest_epochs, together=False) for _ in range(args.ingest_rounds)]
         results["ingestion, one array at a time"] = max(alone, key=lambda r: r["points/s"])
         if args.breakdown:  # where an array-epoch's time goes: NOT the product path, parts switched off
-            import fusetune.server.loop.recorder as coordinator_module
             import fusetune.server.events as events_module
+            import fusetune.server.loop.recorder as coordinator_module
 
             record, touch = events_module.record, coordinator_module.touch_trials
             for label, off in (("without ft_events rows", "events"), ("without the revision touch", "touch"),

@@ -10,8 +10,8 @@ import pytest
 import sqlalchemy as sa
 
 from fusetune.server import service
-from fusetune.server.loop import SchedulingLoop
 from fusetune.server.db import Array, Event, Study, StudyState, get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.loop import SchedulingLoop
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
 from fusetune.workers.pool import WorkerPool

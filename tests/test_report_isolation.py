@@ -19,8 +19,8 @@ import pytest
 from sqlalchemy import select
 
 from fusetune.server import service
-from fusetune.server.loop import SchedulingLoop
 from fusetune.server.db import Trial, get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.loop import SchedulingLoop
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
 from fusetune.workers.pool import WorkerPool

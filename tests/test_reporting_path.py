@@ -23,8 +23,8 @@ from sqlalchemy import Engine, event, select
 
 from fusetune.scheduler import fit_points
 from fusetune.server import service
-from fusetune.server.loop import SchedulingLoop
 from fusetune.server.db import Array, Study, StudyState, Throughput, get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.loop import SchedulingLoop
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings
 from fusetune.workers.pool import WorkerPool

@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy import select
 
 from fusetune.server import service
+from fusetune.server.db import Array, Study, Throughput, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.loop import SchedulingLoop
-from fusetune.server.db import Throughput, Array, Study, get_optuna_storage, get_sessionmaker, upgrade
 from fusetune.server.schemas import StudyCreate, TenantCreate
 from fusetune.server.settings import Settings
 from fusetune.server.tenants import create_tenant

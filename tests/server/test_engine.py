@@ -7,8 +7,8 @@ import os
 import pytest
 import sqlalchemy as sa
 
-from fusetune.server.loop.thread import database_unavailable
 from fusetune.server.db import get_loop_sessionmaker, get_sessionmaker
+from fusetune.server.loop.thread import database_unavailable
 from tests.conftest import POSTGRES_ENV
 
 

@@ -15,8 +15,8 @@ from sqlalchemy import select
 
 from fusetune.client.samplers import FusionSampler, fusion_group
 from fusetune.server import service
-from fusetune.server.loop.mirrors import study_sampler
 from fusetune.server.db import Study, get_optuna_storage, get_sessionmaker, upgrade
+from fusetune.server.loop.mirrors import study_sampler
 from fusetune.server.mirror import StudyMirror
 from fusetune.server.schemas import StudyCreate
 from fusetune.server.settings import Settings

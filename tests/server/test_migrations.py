@@ -12,7 +12,6 @@ from alembic.script import ScriptDirectory
 from fusetune.server.db import Base, get_engine, get_optuna_storage, upgrade
 from fusetune.server.db.engine import VERSION_TABLE, alembic_config
 
-
 #: The newest migration: upgrading must land there.
 HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
 
