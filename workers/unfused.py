@@ -98,18 +98,29 @@ class Unfused(nn.Module):
 def where_it_failed(exc: BaseException, model: nn.Module) -> str:
     """How a study's warning names where ``exc`` came from in a fused copy of ``model``:
     ``submodule 'path' (Class)`` of the innermost module of ``model``'s classes whose code
-    raised it (or raised what it wraps), else the model's class."""
+    raised it (or raised what it wraps); else the model's class, with the innermost function
+    of the model's own code it came through (an autograd Function's backward, say)."""
     paths: dict[type[nn.Module], str] = {}
     for path, module in model.named_modules():
         paths.setdefault(type(module), path)
-    for frame in _frames(exc):
+    frames = list(_frames(exc))
+    for frame in frames:
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module):
             # A fused model keeps a module's class as a base of the class it runs it as.
             for cls in type(owner).__mro__:
                 if cls in paths:
                     return f"submodule '{paths[cls] or '<root>'}' ({cls.__name__})"
-    return f"the model ({type(model).__name__})"
+    own = [f for f in frames if _models_code(f)]
+    return f"the model ({type(model).__name__})" + (f", in {own[0].f_code.co_qualname}" if own else "")
+
+
+def _models_code(frame: types.FrameType) -> bool:
+    """Whether ``frame`` runs code of the model's own (not torch's, fusion's or the worker's)."""
+    name = str(frame.f_globals.get("__name__", ""))
+    return name.split(".")[0] not in {"torch", "contextlib", "copy", "functools"} and not name.startswith(
+        ("fusetune.fusion", "fusetune.workers")
+    )
 
 
 def _frames(exc: BaseException) -> Iterator[types.FrameType]:

@@ -55,6 +55,39 @@ class Broken(nn.Module):
         return self.inp(x)  # not flattened: the shapes do not multiply
 
 
+class RoundThrough(torch.autograd.Function):
+    """Straight-through rounding whose backward passes gradients only while the input is in
+    range (``.item()``): vmap runs its forward, and fails in its backward."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad if x.abs().max().item() < 1e4 else torch.zeros_like(grad)
+
+
+class Quantized(nn.Module):
+    """A learned scale on straight-through rounded activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(people.LENGTH * people.FEATURES, 16)
+        self.scale = nn.Parameter(torch.ones(16))
+        self.head = nn.Linear(16, people.CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(RoundThrough.apply(F.relu(self.inp(x.flatten(1)))) * self.scale)
+
+
 def _workload(name: str, model: type[nn.Module]) -> Workload:
     import dataclasses
 
@@ -66,7 +99,7 @@ def registered() -> Iterator[None]:
     """The test workloads, in this process (train_array runs here)."""
     workloads = [
         people.POSITIONAL, people.PER_MEMBER, people.UNFUSIBLE,
-        _workload("hardest-four", HardestFour), _workload("broken", Broken),
+        _workload("hardest-four", HardestFour), _workload("broken", Broken), _workload("quantized", Quantized),
     ]
     for workload in workloads:
         register_workload(workload)
@@ -159,6 +192,17 @@ def test_a_model_no_fused_model_can_run_even_alone_trains_unfused(tmp_path: Path
     assert reports == [] and outcome.failed == {}
     assert outcome.unfusible is not None and outcome.unfusible.startswith("submodule '<root>' (HardestFour): FusionError: dry run")
     reports, outcome = run(spec("hardest-four", 1, tmp_path, fused=False))
+    assert outcome.error is None and outcome.completed == [100] and len(reports) == 2
+
+
+def test_a_model_whose_fused_backward_fails_trains_unfused(tmp_path: Path) -> None:
+    """vmap runs the root's forward (so the per-member loop is never tried) and fails in the
+    backward, at the first step: that is fusion's failure too."""
+    reports, outcome = run(spec("quantized", 2, tmp_path))
+    assert reports == [] and outcome.failed == {}
+    assert outcome.unfusible is not None and outcome.unfusible.startswith("the model (Quantized), in RoundThrough.backward: ")
+    assert ".item()" in outcome.unfusible
+    reports, outcome = run(spec("quantized", 1, tmp_path, fused=False))
     assert outcome.error is None and outcome.completed == [100] and len(reports) == 2
 
 
