@@ -347,6 +347,7 @@ class ArrayRun:
     optim: ArrayOptimizer
     batch_size: int
     generator: torch.Generator
+    fusing: MemberSpec  # the first member of the fused model being built or on trial
 
     def __init__(self, spec: ArraySpec, device: torch.device, inbox: Inbox | None) -> None:
         self.spec, self.device, self.inbox = spec, device, inbox
@@ -382,7 +383,7 @@ class ArrayRun:
         models = build_models(workload, members, spec.seed)
         self.epochs_done, states = resume_members(spec, members, models)
         _resumed(self.writer, spec, members, self.epochs_done, states)
-        self.fused = self._fuse(models)
+        self.fused = self._fuse(models, members)
         self.optim = _optimizer(self.fused, recipes(workload, spec.training, members), self.device)
         _load_states(self.optim, 0, states)
         self.joined = _joined(members, self.epochs_done, states)
@@ -393,10 +394,11 @@ class ArrayRun:
         # In the first epoch's report: the control plane weighs moving members by it.
         self.built = time.perf_counter() - clock
 
-    def _fuse(self, models: list[nn.Module]) -> ArrayModel:
-        """The members' models as one fused model on the device, or, for a class that fuses
+    def _fuse(self, models: list[nn.Module], members: list[MemberSpec]) -> ArrayModel:
+        """``members``' models as one fused model on the device, or, for a class that fuses
         by neither path, the one member's own model (:class:`Unfused`). A fused model is on
         trial until it has run a training step and an evaluation (:meth:`_proving`)."""
+        self.fusing = members[0]  # whose own model tells whether fusion is at fault (not_fused)
         if not self.spec.fused:
             if len(models) != 1:
                 raise ValueError(f"an unfused array trains one member, not {len(models)}")
@@ -641,7 +643,7 @@ class ArrayRun:
                 self.fused.add_members(models)
                 self.optim.add_members(new_recipes)
             else:  # every member ended at this boundary: the newcomers make a fresh array
-                self.fused = self._fuse(models)
+                self.fused = self._fuse(models, newcomers)
                 self.optim = _optimizer(self.fused, new_recipes, self.device)
             _load_states(self.optim, len(self.members), new_states)
             self.joined = _joined(newcomers, new_epochs, new_states)
@@ -662,7 +664,7 @@ class ArrayRun:
         If the first member's own model trains, the model fuses by neither path: the outcome
         says why, naming the module, and its members (not failed, their checkpoints kept)
         train unfused. Otherwise the model cannot train at all: the array fails with ``error``."""
-        member = self.members[0]
+        member = self.fusing
         try:
             probe_solo_speed(self.workload, member, self.x, self.y, steps=1, warmup=0, training=self.spec.training)
             model = self.workload.build_model(member.params).to(self.device).eval()

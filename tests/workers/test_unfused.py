@@ -185,6 +185,22 @@ def test_an_unfused_member_is_checkpointed_and_resumes(tmp_path: Path) -> None:
     assert [r.members[0].step for r in reports] == [1, 2] and outcome.completed == [100]
 
 
+def test_newcomers_that_make_a_fresh_fused_model_fusion_cannot_run_are_not_failed(tmp_path: Path) -> None:
+    """A chain: the one member completes, two newcomers make a fresh fused model at that
+    boundary, which fails its first step: the member's result stands, the newcomers come
+    back untrained, not failed, with the reason."""
+    threads = torch.get_num_threads()
+    inbox = ArrayWorker("test-worker", "cpu", num_threads=threads)
+    try:
+        array = spec("temperature-mlp", 1, tmp_path, epochs=1)
+        inbox.offer(array.array_id, [MemberSpec(200 + n, 10 + n, 10 + n, {"lr": 0.01}) for n in range(2)])
+        reports, outcome = run(array, inbox)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r.size for r in reports] == [1] and outcome.completed == [100] and outcome.failed == {}
+    assert outcome.unfusible is not None and outcome.unfusible.startswith("submodule 'out' (Temperature)")
+
+
 def test_a_model_no_fused_model_can_run_even_alone_trains_unfused(tmp_path: Path) -> None:
     """Its dry run fails at any size, one member included: it comes back untrained, naming its
     root, and trains unfused."""
