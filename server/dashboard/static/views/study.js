@@ -80,6 +80,11 @@ export function studyView(studyId, initialTab) {
       store.complete ? null : h("span.meta", { "data-testid": "loading" }, `loading trials: ${store.trials.size.toLocaleString()} read`),
       h("div.actions", actions),
       s.error ? h("p.error.study-error", { "data-testid": "study-error" }, s.error) : null,
+      // How fusion trains it, where it could not do its best (a module run once per member, a
+      // model trained unfused): text, as the service wrote it.
+      s.warnings?.length
+        ? h("ul.study-warnings", { "data-testid": "study-warnings" }, ...s.warnings.map((w) => h("li", w)))
+        : null,
       Object.keys(s.user_attrs ?? {}).length
         ? h("details.attrs", { "data-testid": "study-user-attrs", open: attrsOpen, ontoggle: (e) => { attrsOpen = e.target.open; } },
           h("summary", `user attrs (${Object.keys(s.user_attrs).length})`), attrList(s.user_attrs))
