@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install system-deps clean
+.PHONY: run test lint install system-deps clean
 
 install: $(STAMP)
 
@@ -25,7 +25,16 @@ system-deps:
 	@command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
 	@test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-test: $(STAMP) system-deps
+# ruff over the repository; mypy over the five packages, laid out as the fusetune package
+# through a tree of links (mypy cannot follow setuptools' editable-install finder).
+PACKAGES := server scheduler fusion workers client
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	rm -rf build/typecheck && mkdir -p build/typecheck/fusetune
+	for d in $(PACKAGES) migrations; do ln -s ../../../$$d build/typecheck/fusetune/$$d; done
+	MYPYPATH=build/typecheck $(BIN)/mypy $(foreach p,$(PACKAGES),-p fusetune.$(p))
+
+test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest
 
 clean:

@@ -18,7 +18,6 @@ from fusetune.server.db import get_optuna_storage, get_read_sessionmaker, get_se
 from fusetune.server.leader import Leadership
 from fusetune.server.settings import Settings, get_settings
 
-
 log = logging.getLogger(__name__)
 
 

@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import uvicorn
-
 from pydantic import SecretStr, ValidationError
 
 from fusetune.client import Client, FusetuneError
@@ -206,7 +205,6 @@ def _quota(value: str) -> int | None:
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
-    from fusetune.server import service
     from fusetune.server.errors import Conflict, Invalid, NotFound
 
     if args.database or args.database_url:
@@ -263,6 +261,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # Ray installs its signal handlers only from the main thread, not from uvicorn's.
     ray.init(address=settings.ray_address, include_dashboard=False, log_to_driver=False)
     server = BackgroundServer(settings).start()
+    assert settings.admin_token is not None  # made up above when the environment set none
     try:
         with Client(server.url, token=settings.admin_token.get_secret_value()) as admin:
             token = _local_tenant_token(admin)
@@ -355,6 +354,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("n_trials", type=int)
     p.set_defaults(func=cmd_lifecycle)
 
+    _tenant_commands(sub, rest)
+
+    p = sub.add_parser("demo", help="start the service, run the demo sweep, keep serving")
+    p.add_argument("--exit", action="store_true", help="exit when the sweep is done instead of serving")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=cmd_demo)
+
+    sub.add_parser(
+        "simulate",
+        help="replay a cluster trace under every scheduling policy (fusetune.server.simulate)",
+        add_help=False,
+    )
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:
+        from fusetune.server import simulate
+
+        return simulate.main(argv[1:])
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _tenant_commands(sub: Any, rest: argparse.ArgumentParser) -> None:
+    """``fusetune tenants ...``: over the API, or on the database as its operator."""
     tenants = sub.add_parser(
         "tenants",
         help="create and list tenants, set weights and quotas, issue and revoke tokens",
@@ -388,25 +411,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name")
     p = actions.add_parser("revoke", parents=[via], help="revoke a token by its id")
     p.add_argument("token_id", type=int)
-
-    p = sub.add_parser("demo", help="start the service, run the demo sweep, keep serving")
-    p.add_argument("--exit", action="store_true", help="exit when the sweep is done instead of serving")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.set_defaults(func=cmd_demo)
-
-    sub.add_parser(
-        "simulate",
-        help="replay a cluster trace under every scheduling policy (fusetune.server.simulate)",
-        add_help=False,
-    )
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["simulate"]:
-        from fusetune.server import simulate
-
-        return simulate.main(argv[1:])
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ device is busy, and of the other tenants only their sum.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -29,10 +30,15 @@ BACKFILL_AFTER = timedelta(milliseconds=500)
 UTILISATION_WINDOW = timedelta(minutes=5)
 
 
+def _utc(t: datetime) -> datetime:
+    """A timestamp that is never None (a row's ``created_at``), aware, in UTC."""
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t
+
+
 def _aware(t: datetime | None) -> datetime | None:
     """SQLite hands datetimes back naive; they were written in UTC."""
     if t is not None and t.tzinfo is None:
-        return t.replace(tzinfo=timezone.utc)
+        return t.replace(tzinfo=UTC)
     return t
 
 
@@ -96,7 +102,7 @@ def timeline(session: Session, study_id: int, *, as_tenant: str | None = None) -
     }
     members: dict[int, list[MemberSpan]] = {}
     ends = {a.id: _aware(a.completed_at) for a, _ in arrays}
-    starts = {a.id: _aware(a.created_at) for a, _ in arrays}
+    starts = {a.id: _utc(a.created_at) for a, _ in arrays}
     for array_id, slot, trial in rows:
         here = trial.array_id == array_id
         started, completed = _aware(trial.started_at), _aware(trial.completed_at)
@@ -143,7 +149,7 @@ def timeline(session: Session, study_id: int, *, as_tenant: str | None = None) -
                 error=array.error,
             )
         )
-    return Timeline(study_id=study_id, now=datetime.now(timezone.utc), devices=devices, arrays=spans)
+    return Timeline(study_id=study_id, now=datetime.now(UTC), devices=devices, arrays=spans)
 
 
 class DeviceOut(BaseModel):
@@ -181,9 +187,28 @@ class ClusterOut(BaseModel):
 
 def cluster(session: Session, *, as_tenant: str | None = None) -> ClusterOut:
     """Devices by type and node, what each trains and its utilisation; the tenants' shares."""
-    now = datetime.now(timezone.utc)
-    since = now - UTILISATION_WINDOW
+    now = datetime.now(UTC)
     workers = session.scalars(select(Worker).order_by(Worker.name)).all()
+    running = session.execute(
+        select(Array, Study.tenant, Study.name).join(Study, Array.study_id == Study.id).where(Array.state == ArrayState.RUNNING)
+    ).all()
+    on_worker = {a.worker_id: (a, tenant, name) for a, tenant, name in running if a.worker_id is not None}
+    devices = _devices(session, workers, on_worker, now, as_tenant)
+    shares, others = _shares(session, on_worker, as_tenant)
+    by_type: dict[str, int] = {}
+    by_node: dict[str, int] = {}
+    for w in workers:
+        by_type[w.device_type] = by_type.get(w.device_type, 0) + 1
+        by_node[w.node] = by_node.get(w.node, 0) + 1
+    return ClusterOut(now=now, devices=devices, device_types=by_type, nodes=by_node, tenants=shares, others=others)
+
+
+def _devices(
+    session: Session, workers: Sequence[Worker], on_worker: Mapping[int, tuple[Array, str, str]], now: datetime, as_tenant: str | None,
+) -> list[DeviceOut]:
+    """Each worker as a device: busy or not, its utilisation over the window, and the array it
+    trains (only the caller's own, for a tenant)."""
+    since = now - UTILISATION_WINDOW
     recent = session.execute(
         select(Array.worker_id, Array.created_at, Array.completed_at).where(
             Array.completed_at.is_(None) | (Array.completed_at >= since)
@@ -191,18 +216,14 @@ def cluster(session: Session, *, as_tenant: str | None = None) -> ClusterOut:
     ).all()
     busy_s: dict[int, float] = {}
     for worker_id, start, end in recent:
-        start, end = max(_aware(start), since), min(_aware(end) or now, now)
+        start, end = max(_utc(start), since), min(_aware(end) or now, now)
         if worker_id is not None and end > start:
             busy_s[worker_id] = busy_s.get(worker_id, 0.0) + (end - start).total_seconds()
-    running = session.execute(
-        select(Array, Study.tenant, Study.name).join(Study, Array.study_id == Study.id).where(Array.state == ArrayState.RUNNING)
-    ).all()
     live_members = dict(
         session.execute(
             select(Trial.array_id, func.count()).where(Trial.state == TrialState.RUNNING).group_by(Trial.array_id)
         ).all()
     )
-    on_worker = {a.worker_id: (a, tenant, name) for a, tenant, name in running if a.worker_id is not None}
     devices = []
     for w in workers:
         here = on_worker.get(w.id)
@@ -219,6 +240,14 @@ def cluster(session: Session, *, as_tenant: str | None = None) -> ClusterOut:
             device.members = live_members.get(array.id, 0)
             device.models_steps_per_s = array.models_steps_per_s
         devices.append(device)
+    return devices
+
+
+def _shares(
+    session: Session, on_worker: Mapping[int, tuple[Array, str, str]], as_tenant: str | None,
+) -> tuple[list[TenantShare], TenantShare | None]:
+    """Each tenant's share of the busy devices against its fair share (a tenant sees its own,
+    and the others summed)."""
     counts = session.execute(
         select(Study.tenant, Trial.state, func.count())
         .join(Study, Trial.study_id == Study.id)
@@ -248,21 +277,16 @@ def cluster(session: Session, *, as_tenant: str | None = None) -> ClusterOut:
         )
 
     shares = [share(name, w) for name, w in sorted(tenants.items()) if as_tenant is None or name == as_tenant]
-    others = None
-    if as_tenant is not None:
-        rest = [share(name, w) for name, w in tenants.items() if name != as_tenant]
-        others = TenantShare(
-            name="others",
-            weight=sum(s.weight for s in rest),
-            running_trials=sum(s.running_trials for s in rest),
-            waiting_trials=sum(s.waiting_trials for s in rest),
-            devices=sum(s.devices for s in rest),
-            share=sum(s.share for s in rest),
-            fair_share=sum(s.fair_share for s in rest),
-        )
-    by_type: dict[str, int] = {}
-    by_node: dict[str, int] = {}
-    for w in workers:
-        by_type[w.device_type] = by_type.get(w.device_type, 0) + 1
-        by_node[w.node] = by_node.get(w.node, 0) + 1
-    return ClusterOut(now=now, devices=devices, device_types=by_type, nodes=by_node, tenants=shares, others=others)
+    if as_tenant is None:
+        return shares, None
+    rest = [share(name, w) for name, w in tenants.items() if name != as_tenant]
+    others = TenantShare(
+        name="others",
+        weight=sum(s.weight for s in rest),
+        running_trials=sum(s.running_trials for s in rest),
+        waiting_trials=sum(s.waiting_trials for s in rest),
+        devices=sum(s.devices for s in rest),
+        share=sum(s.share for s in rest),
+        fair_share=sum(s.fair_share for s in rest),
+    )
+    return shares, others

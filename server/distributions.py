@@ -22,7 +22,6 @@ import warnings
 from typing import Annotated, Any, Literal
 
 import optuna
-
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, GetPydanticSchema, Json, StrictBool
 from pydantic_core import PydanticCustomError, ValidationError, core_schema
 
@@ -32,8 +31,11 @@ __all__ = ["Distribution", "SearchSpaceEntry"]
 MAX_EXACT_INT = 2**53
 
 
-def _json_integer(value: Any) -> Any:
-    """A JSON integer: 3 or 3.0 (JSON Schema's integers), never true or 3.5."""
+def json_integer(value: Any) -> Any:
+    """A JSON integer: 3 or 3.0 (JSON Schema's integers), never true, "3" or 3.5. None passes
+    (an optional field's null; a required one refuses it after this)."""
+    if value is None:
+        return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -45,8 +47,8 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 Step = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 # Field before the validator: after one, pydantic writes its bounds into the JSON Schema as
 # "ge"/"le", which no validator reads, instead of "minimum"/"maximum".
-Integer = Annotated[int, Field(ge=-MAX_EXACT_INT, le=MAX_EXACT_INT), BeforeValidator(_json_integer)]
-IntStep = Annotated[int, Field(ge=1, le=MAX_EXACT_INT), BeforeValidator(_json_integer)]
+Integer = Annotated[int, Field(ge=-MAX_EXACT_INT, le=MAX_EXACT_INT), BeforeValidator(json_integer)]
+IntStep = Annotated[int, Field(ge=1, le=MAX_EXACT_INT), BeforeValidator(json_integer)]
 Choice = Annotated[None | StrictBool | int | Finite | str, Field(union_mode="left_to_right")]
 
 

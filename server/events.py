@@ -33,7 +33,8 @@ from sse_starlette import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from fusetune.server.db import Event, retry_disconnected, utcnow
-from fusetune.server.db.bulk import add_rows
+from fusetune.server.db.bulk import add_rows, rowcount
+from fusetune.server.db.models import table_of
 from fusetune.server.schemas import EventOut
 
 #: Every kind of event, in the order a trial meets them.
@@ -49,7 +50,7 @@ KINDS = (
     "study.deleted",  # its rows are gone (it was hidden, 404, from the delete on); data: name
 )
 
-_events = Event.__table__
+_events = table_of(Event)
 
 #: Most events one read of the table returns; a stream reads again at once when it was full.
 BATCH = 500
@@ -138,7 +139,7 @@ def record(
 def prune(session: Session, retention_s: float) -> int:
     """Delete the events older than ``retention_s`` seconds, in the caller's transaction."""
     cutoff = utcnow() - timedelta(seconds=retention_s)
-    return session.execute(delete(Event).where(Event.created_at < cutoff)).rowcount or 0
+    return rowcount(session.execute(delete(Event).where(Event.created_at < cutoff)))
 
 
 def _scope(query: Any, as_tenant: str | None, study_id: int | None, kinds: Collection[str] | None = None) -> Any:

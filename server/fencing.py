@@ -25,7 +25,7 @@ import socket
 from sqlalchemy import event, insert, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from fusetune.server.db.models import SchedulerFence, utcnow
+from fusetune.server.db.models import SchedulerFence, table_of, utcnow
 
 __all__ = ["StaleScheduler", "fence", "take_epoch"]
 
@@ -44,7 +44,7 @@ def take_epoch(sessions: sessionmaker[Session]) -> int:
     last commits: they either committed before this increment, or are refused after it).
     """
     leader = f"{socket.gethostname()}:{os.getpid()}"
-    table = SchedulerFence.__table__
+    table = table_of(SchedulerFence)
     with sessions.begin() as session:
         epoch = session.execute(
             update(table).where(table.c.id == _ROW).values(epoch=table.c.epoch + 1, leader=leader, since=utcnow())
@@ -60,7 +60,7 @@ def fence(sessions: sessionmaker[Session], epoch: int) -> sessionmaker[Session]:
     """Sessions like ``sessions``' whose every commit is refused (:class:`StaleScheduler`,
     the transaction rolled back) once the fencing row's epoch is no longer ``epoch``."""
     fenced: sessionmaker[Session] = sessionmaker(**sessions.kw)
-    table = SchedulerFence.__table__
+    table = table_of(SchedulerFence)
     check = update(table).where(table.c.id == _ROW, table.c.epoch == epoch).values(epoch=epoch)
 
     @event.listens_for(fenced, "before_commit")

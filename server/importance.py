@@ -14,7 +14,7 @@ import random
 import threading
 import warnings
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 import optuna
@@ -133,6 +133,6 @@ def _compute(
         importances={k: float(v) for k, v in importances.items()},
         n_complete=n_complete,
         n_used=len(trials),
-        computed_at=datetime.now(timezone.utc),
+        computed_at=datetime.now(UTC),
         cached=False,
     )

@@ -57,16 +57,16 @@ class StateCollector:
     def collect(self) -> Iterator[Metric]:
         state = self.app.state
         with state.sessions() as session:
-            trials = dict(session.execute(select(Trial.state, func.count()).group_by(Trial.state)).all())
-            studies = dict(session.execute(select(Study.state, func.count()).group_by(Study.state)).all())
+            trials: dict[TrialState, int] = {s: n for s, n in session.execute(select(Trial.state, func.count()).group_by(Trial.state))}
+            studies: dict[StudyState, int] = {s: n for s, n in session.execute(select(Study.state, func.count()).group_by(Study.state))}
             running = session.scalar(select(func.count()).select_from(Array).where(Array.state == ArrayState.RUNNING))
         family = GaugeMetricFamily("fusetune_trials", "Trials by state (ft_trials).", labels=["state"])
-        for s in TrialState:
-            family.add_metric([s.value], trials.get(s, 0))
+        for trial_state in TrialState:
+            family.add_metric([trial_state.value], trials.get(trial_state, 0))
         yield family
         family = GaugeMetricFamily("fusetune_studies", "Studies by state (ft_studies).", labels=["state"])
-        for s in StudyState:
-            family.add_metric([s.value], studies.get(s, 0))
+        for study_state in StudyState:
+            family.add_metric([study_state.value], studies.get(study_state, 0))
         yield family
         yield GaugeMetricFamily("fusetune_arrays_running", "Fused arrays training now (ft_arrays RUNNING).", value=running or 0)
 

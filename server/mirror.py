@@ -36,14 +36,15 @@ from typing import Any
 
 import optuna
 from optuna.distributions import BaseDistribution, distribution_to_json
-from fusetune.server.db import optuna_tables as rdb
 from optuna.study._tell import _tell_with_warning
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState as OptunaState
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session
 
-from fusetune.server.db.bulk import add_rows, add_updates, insert_returning, insert_rows, write_pending
+from fusetune.server.db import optuna_tables as rdb
+from fusetune.server.db.bulk import add_rows, add_updates, insert_returning, insert_rows, rowcount, write_pending
+from fusetune.server.db.models import table_of
 
 __all__ = ["AskedTrial", "CreatedStudy", "StudyMirror", "create_study_rows", "set_study_system_attr"]
 
@@ -124,7 +125,8 @@ class StudyMirror:
         self._db_study_id = study_id
         self._memory = optuna.storages.InMemoryStorage()
         if created is not None and created.study_id == study_id:
-            name, directions, system_attrs, user_attrs, has_trials = created.name, list(created.directions), _as_stored(created.system_attrs), {}, False
+            user_attrs: dict[str, Any] = {}
+            name, directions, system_attrs, has_trials = created.name, list(created.directions), _as_stored(created.system_attrs), False
         else:
             name, directions, system_attrs, user_attrs, has_trials = _read_study(storage, study_id)
         verbosity = optuna.logging.get_verbosity()
@@ -224,7 +226,7 @@ class StudyMirror:
         """
         if not frozens:
             return []
-        ids = insert_returning(session, rdb.TrialModel.__table__, [
+        ids = insert_returning(session, table_of(rdb.TrialModel), [
             {
                 "number": f.number,
                 "study_id": self._db_study_id,
@@ -249,7 +251,7 @@ class StudyMirror:
         for model, rows in (
             (rdb.TrialParamModel, params), (rdb.TrialSystemAttributeModel, system), (rdb.TrialUserAttributeModel, user)
         ):
-            insert_rows(session, model.__table__, rows)
+            insert_rows(session, table_of(model), rows)
         return ids
 
     # -- reporting -----------------------------------------------------------------------------
@@ -263,7 +265,7 @@ class StudyMirror:
         insert with the transaction's others (:func:`~fusetune.server.db.bulk.add_rows`).
         """
         model = rdb.TrialIntermediateValueModel
-        table = model.__table__  # Core statements: nothing to load or synchronise back
+        table = table_of(model)  # Core statements: nothing to load or synchronise back
         new = []
         for trial_id, step, value in values:
             memory_id = self._to_memory[trial_id]
@@ -292,7 +294,7 @@ class StudyMirror:
         stale = [s for s in self._memory.get_trial(memory_id).intermediate_values if s >= from_step]
         if not stale:
             return 0
-        table = rdb.TrialIntermediateValueModel.__table__
+        table = table_of(rdb.TrialIntermediateValueModel)
         write_pending(session, table)
         session.execute(delete(table).where(table.c.trial_id == trial_id, table.c.step >= from_step))
         # InMemoryStorage has no call that removes a value: replace the trial's copy as its
@@ -328,7 +330,7 @@ class StudyMirror:
 
     @staticmethod
     def _write_attrs(session: Session, model: Any, trial_id: int, attrs: Mapping[str, Any], existing: set[str]) -> None:
-        table = model.__table__
+        table = table_of(model)
         new = [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items() if k not in existing]
         add_rows(session, table, new)  # with the transaction's others, at its commit
         if existing & set(attrs):
@@ -369,7 +371,7 @@ class StudyMirror:
         frozen = self._memory.get_trial(memory_id)
         # Held back to the commit: an array's last epoch ends all its members, in one
         # statement per table instead of two or three per member.
-        add_updates(session, rdb.TrialModel.__table__, "trial_id", [
+        add_updates(session, table_of(rdb.TrialModel), "trial_id", [
             {"trial_id": trial_id, "state": frozen.state, "datetime_complete": frozen.datetime_complete or datetime.now()}
         ])
         if frozen.values is not None:
@@ -377,7 +379,7 @@ class StudyMirror:
             for objective, value in enumerate(frozen.values):
                 stored, kind = rdb.TrialValueModel.value_to_stored_repr(value)
                 rows.append({"trial_id": trial_id, "objective": objective, "value": stored, "value_type": kind})
-            add_rows(session, rdb.TrialValueModel.__table__, rows)
+            add_rows(session, table_of(rdb.TrialValueModel), rows)
 
 
 # -- removing a deleted study's rows (server/purge.py) ------------------------------------------
@@ -407,7 +409,7 @@ def delete_trials(session: Session, trial_ids: Sequence[int]) -> int:
     transaction (Optuna's ORM cascade would load every row first); returns the rows removed."""
     removed = 0
     for model in (*_TRIAL_PARTS, rdb.TrialModel):
-        removed += session.execute(delete(model).where(model.trial_id.in_(trial_ids))).rowcount or 0
+        removed += rowcount(session.execute(delete(model).where(model.trial_id.in_(trial_ids))))
     return removed
 
 
@@ -427,13 +429,13 @@ def create_study_rows(
     Raises:
         sqlalchemy.exc.IntegrityError: an Optuna study of this name exists.
     """
-    studies = rdb.StudyModel.__table__
+    studies = table_of(rdb.StudyModel)
     study_id = session.execute(insert(studies).returning(studies.c.study_id), {"study_name": name}).scalar_one()
-    session.execute(insert(rdb.StudyDirectionModel.__table__), [
+    session.execute(insert(table_of(rdb.StudyDirectionModel)), [
         {"study_id": study_id, "objective": k, "direction": d} for k, d in enumerate(directions)
     ])
     if system_attrs:
-        session.execute(insert(rdb.StudySystemAttributeModel.__table__), [
+        session.execute(insert(table_of(rdb.StudySystemAttributeModel)), [
             {"study_id": study_id, "key": k, "value_json": json.dumps(v)} for k, v in system_attrs.items()
         ])
     return CreatedStudy(study_id, name, tuple(directions), dict(system_attrs))
@@ -441,7 +443,7 @@ def create_study_rows(
 
 def set_study_system_attr(session: Session, study_id: int, key: str, value: Any) -> None:
     """Optuna's ``set_study_system_attr``, in the caller's transaction."""
-    table = rdb.StudySystemAttributeModel.__table__
+    table = table_of(rdb.StudySystemAttributeModel)
     where = (table.c.study_id == study_id, table.c.key == key)
     session.execute(delete(table).where(*where))
     session.execute(insert(table).values(study_id=study_id, key=key, value_json=json.dumps(value)))

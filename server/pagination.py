@@ -172,7 +172,7 @@ def _list_adapter(model: type[BaseModel]) -> TypeAdapter[list[Any]]:
     return TypeAdapter(list[model])  # type: ignore[valid-type]
 
 
-def json_page(page: Page[BaseModel], request: Request, model: type[BaseModel]) -> Response:
+def json_page(page: Page[Any], request: Request, model: type[BaseModel]) -> Response:
     """The page as its JSON response, serialised once by pydantic: what FastAPI makes of a
     route's ``response_model`` for the same rows, without validating them a second time and
     going through plain Python objects (a page of 100 trials: about 1 ms instead of 4)."""

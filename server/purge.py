@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from fusetune.server import mirror
 from fusetune.server.db import Array, ArrayMember, Trial, TrialRevision
+from fusetune.server.db.bulk import rowcount
 from fusetune.workers.store import get_store
 
 __all__ = ["Purge", "StudyPurger"]
@@ -102,8 +103,8 @@ class StudyPurger:
         with self.sessions.begin() as session:  # trials that had no Optuna trial, then the arrays
             removed += self._delete_fusetune_trials(session, select(Trial.id).where(Trial.study_id == purge.study_id))
             arrays = select(Array.id).where(Array.study_id == purge.study_id).scalar_subquery()
-            removed += session.execute(delete(ArrayMember).where(ArrayMember.array_id.in_(arrays))).rowcount or 0
-            removed += session.execute(delete(Array).where(Array.study_id == purge.study_id)).rowcount or 0
+            removed += rowcount(session.execute(delete(ArrayMember).where(ArrayMember.array_id.in_(arrays))))
+            removed += rowcount(session.execute(delete(Array).where(Array.study_id == purge.study_id)))
         log.info("study %d (%s): %d rows removed", purge.study_id, purge.name, removed)
 
     def _batch(self, purge: Purge) -> int:
@@ -117,12 +118,12 @@ class StudyPurger:
             return removed + mirror.delete_trials(session, optuna_ids)
 
     @staticmethod
-    def _delete_fusetune_trials(session: Session, ids: Select[tuple[int]]) -> int:
+    def _delete_fusetune_trials(session: Session, ids: Select[int]) -> int:
         """Remove fusetune's trials that ``ids`` selects, with their revisions and array slots."""
         trial_ids = list(session.scalars(ids))
         if not trial_ids:
             return 0
         removed = 0
         for model, column in ((TrialRevision, TrialRevision.trial_id), (ArrayMember, ArrayMember.trial_id), (Trial, Trial.id)):
-            removed += session.execute(delete(model).where(column.in_(trial_ids))).rowcount or 0
+            removed += rowcount(session.execute(delete(model).where(column.in_(trial_ids))))
         return removed

@@ -49,7 +49,7 @@ def check_running_quota(session: Session, tenant: Tenant) -> None:
         running = session.scalar(
             select(func.count()).select_from(Study).where(Study.tenant == tenant.name, Study.state == StudyState.RUNNING)
         )
-        if running >= tenant.max_running_studies:
+        if (running or 0) >= tenant.max_running_studies:
             raise Conflict(
                 "max_running_studies",
                 f"tenant {tenant.name!r} runs {running} studies, its quota max_running_studies="

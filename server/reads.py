@@ -15,18 +15,35 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import optuna
-from fusetune.server.db import optuna_tables as rdb
 from optuna.study import StudyDirection
-from sqlalchemy import BigInteger, ColumnElement, Float, Integer, Select, String, any_, bindparam, case, cast, func, literal, null, select, tuple_, union_all
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Float,
+    Integer,
+    Select,
+    String,
+    any_,
+    bindparam,
+    case,
+    cast,
+    func,
+    literal,
+    null,
+    select,
+    tuple_,
+    union_all,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session, aliased, joinedload, selectinload
 
 from fusetune.server.curves import downsample
 from fusetune.server.db import Array, Study, Trial, TrialRevision, TrialState
+from fusetune.server.db import optuna_tables as rdb
 from fusetune.server.pagination import ID_CURSOR, TRIAL_CURSOR, Page, PageParams, TrialKey
 from fusetune.server.schemas import ArrayOut, BestTrial, StudyOut, TrialOut
 
@@ -53,7 +70,7 @@ def _among(session: Session, column: Any, ids: Sequence[int]) -> ColumnElement[b
 # -- keyset pages ------------------------------------------------------------------------------
 def keyset_page(
     session: Session,
-    query: Select[tuple[_R]],
+    query: Select[_R],
     columns: Sequence[Any],
     descending: bool,
     after: Sequence[Any] | None,
@@ -82,7 +99,7 @@ def _bound(value: Any) -> Any:
     return value
 
 
-def id_page(session: Session, query: Select[tuple[_R]], column: Any, sort: str, page: PageParams) -> Page[_R]:
+def id_page(session: Session, query: Select[_R], column: Any, sort: str, page: PageParams) -> Page[_R]:
     """A page of ``query`` by its integer id ``column``, ``sort`` one of :data:`ID_SORTS`."""
     after = (ID_CURSOR.decode(page.after),) if page.after else None
     rows, more = keyset_page(session, query, (column,), sort.startswith("-"), after, page.limit)
@@ -124,17 +141,19 @@ def trials_page(
     if not more:
         return Page(trial_outs(session, rows, max_points=max_points), None)
     last = rows[-1]  # a trial not yet in ft_trial_revisions has no place in that order: 0 stands for it
-    next_cursor = TRIAL_CURSOR.encode(TrialKey(last.number, last.id, last.revision or 0, last.value))
+    revision = getattr(last, "revision", None) or 0  # Trial.revision: a column property (models.py)
+    next_cursor = TRIAL_CURSOR.encode(TrialKey(last.number, last.id, revision, last.value))
     return Page(trial_outs(session, rows, max_points=max_points), next_cursor)
 
 
 def _value_page(
-    session: Session, query: Select[tuple[Trial]], descending: bool, after: TrialKey | None, limit: int
+    session: Session, query: Select[Trial], descending: bool, after: TrialKey | None, limit: int
 ) -> tuple[list[Trial], bool]:
     """Up to ``limit`` trials after ``after``: those with a value by value (ties by id), then
     those without one by id; and whether more follow. A position without a value is in the
     second run."""
     rows: list[Trial] = []
+    seek: tuple[Any, ...] | None
     if after is None or after.value is not None:
         seek = None if after is None else (after.value, after.id)
         rows, more = keyset_page(session, query.where(Trial.value.is_not(None)), (Trial.value, Trial.id), descending, seek, limit)
@@ -200,7 +219,7 @@ def trial_outs(session: Session, trials: Sequence[Trial], *, max_points: int | N
     user_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
     system_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
     if ids:
-        tv, iv, tp = rdb.TrialValueModel, rdb.TrialIntermediateValueModel, rdb.TrialParamModel
+        tv, iv = rdb.TrialValueModel, rdb.TrialIntermediateValueModel
         params: dict[int, list[tuple[int, str, str]]] = defaultdict(list)
         for kind, trial_id, k, name, value, stored_type, text in _optuna_rows(session, ids):
             if kind == _VALUE:
@@ -252,20 +271,22 @@ def study_outs(session: Session, studies: Sequence[Study]) -> list[StudyOut]:
 
     sd = rdb.StudyDirectionModel
     directions: dict[int, dict[int, StudyDirection]] = defaultdict(dict)
-    for study_id, objective, direction in session.execute(
+    for optuna_id, objective, direction in session.execute(
         select(sd.study_id, sd.objective, sd.direction).where(_among(session, sd.study_id, optuna_ids))
     ):
-        directions[study_id][objective] = direction
+        directions[optuna_id][objective] = direction
     user_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
     system_attrs: dict[int, dict[str, Any]] = defaultdict(dict)
     for model, into in ((rdb.StudyUserAttributeModel, user_attrs), (rdb.StudySystemAttributeModel, system_attrs)):
-        for study_id, key, value_json in session.execute(
+        for attr_study, key, value_json in session.execute(
             select(model.study_id, model.key, model.value_json).where(_among(session, model.study_id, optuna_ids))
         ):
-            into[study_id][key] = json.loads(value_json)
+            if attr_study is not None:  # (Optuna's column is nullable; its rows always name one)
+                into[attr_study][key] = json.loads(value_json)
 
     outs = []
-    single, multi = [], []
+    single: list[Study] = []
+    multi: list[Study] = []
     for study in studies:
         oid = study.optuna_study_id
         out = _study_out(
@@ -290,12 +311,17 @@ def new_study_out(study: Study, directions: Sequence[StudyDirection], system_att
     return _study_out(study, directions, {}, dict(system_attrs), {})
 
 
+_DIRECTION: dict[StudyDirection, Literal["minimize", "maximize"]] = {
+    StudyDirection.MINIMIZE: "minimize", StudyDirection.MAXIMIZE: "maximize",
+}
+
+
 def _study_out(
     study: Study, directions: Sequence[StudyDirection], user_attrs: dict[str, Any], system_attrs: dict[str, Any],
     counts: Mapping[str, int],
 ) -> StudyOut:
     out = StudyOut.model_validate(study)
-    out.directions = [d.name.lower() for d in directions]
+    out.directions = [_DIRECTION[d] for d in directions]
     out.user_attrs, out.system_attrs = user_attrs, system_attrs
     out.trial_counts = {state.value: counts.get(state.value, 0) for state in TrialState}
     return out
@@ -410,24 +436,25 @@ def _pareto_fronts(
     params: dict[int, dict[str, Any]] = defaultdict(dict)
     front_ids = [i for ids in fronts.values() for i in ids]
     for start in range(0, len(front_ids), 1000):
-        for trial_id, name, value, stored in session.execute(
+        for param_trial, name, value, stored in session.execute(
             select(tp.trial_id, tp.param_name, tp.param_value, tp.distribution_json)
             .where(tp.trial_id.in_(front_ids[start : start + 1000]))
             .order_by(tp.param_id)
         ):
-            params[trial_id][name] = optuna.distributions.json_to_distribution(stored).to_external_repr(value)
+            if param_trial is not None:  # (Optuna's column is nullable; its rows always name one)
+                params[param_trial][name] = optuna.distributions.json_to_distribution(stored).to_external_repr(value)
     for study in missing:
         front = []
         for i in fronts[study.id]:
-            objective = [values[study.id][i][k] for k in sorted(values[study.id][i])]
-            front.append(BestTrial(number=numbers[i], value=objective[0], params=params.get(i, {}), values=objective))
+            scores = [values[study.id][i][k] for k in sorted(values[study.id][i])]
+            front.append(BestTrial(number=numbers[i], value=scores[0], params=params.get(i, {}), values=scores))
         _fronts.put(study.id, newest.get(study.id, 0), front)
         out[study.id] = front
     return out
 
 
 # -- arrays ------------------------------------------------------------------------------------
-def arrays_page(session: Session, query: Select[tuple[Array]], sort: str, page: PageParams) -> Page[ArrayOut]:
+def arrays_page(session: Session, query: Select[Array], sort: str, page: PageParams) -> Page[ArrayOut]:
     """A page of arrays with their members and workers loaded for the whole page at once."""
     query = query.options(selectinload(Array.members), joinedload(Array.worker))
     found = id_page(session, query, Array.id, sort, page)

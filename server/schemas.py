@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import optuna
@@ -12,50 +12,32 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
-    StringConstraints,
     ConfigDict,
     Field,
-    ValidationError,
+    StringConstraints,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonDict
 
 from fusetune.server.db import ArrayState, StudyState, TrialState
-from fusetune.server.distributions import SearchSpaceEntry
-from fusetune.server.optuna_specs import (
-    PRUNERS, SAMPLERS, SpecError, check_for_study, check_pruner, check_sampler, default_limits, sampler_class,
-)
+from fusetune.server.distributions import SearchSpaceEntry, json_integer
+from fusetune.server.optuna_specs import SpecError, check_for_study, default_limits, sampler_class
+from fusetune.server.specs import LRSchedulerSpec, OptimizerSpec, PrunerSpec, SamplerSpec, field_error, json_enum
 from fusetune.workers.optimization import (
-    LR_SCHEDULERS,
-    OPTIMIZERS,
     OptionError,
-    check_lr_scheduler_spec,
-    check_optimizer_spec,
     lr_scheduler_name,
     optimizer_name,
 )
 from fusetune.workers.spec import TrainingSpec
-from fusetune.workers.workloads import UnknownWorkloadError, Workload, available_workloads, WorkloadImportsDisabled, get_workload
-
-
-def _json_integer(value: Any) -> Any:
-    """A JSON integer: 3 or 3.0 (JSON Schema's integers), never true, "3" or 3.5."""
-    if value is None:
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("must be an integer")
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError("must be an integer")
-        return int(value)
-    return value
-
+from fusetune.workers.workloads import UnknownWorkloadError, Workload, WorkloadImportsDisabled, available_workloads, get_workload
 
 #: Text a request stores (names, keys, labels): anything but NUL, which PostgreSQL's text refuses.
 NoNul = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$")]
 #: The OpenAPI words for an object whose keys are NoNul (pydantic would say patternProperties).
-NO_NUL_KEYS = {"propertyNames": {"pattern": r"^[^\x00]*$"}}
+NO_NUL_KEYS: JsonDict = {"propertyNames": {"pattern": r"^[^\x00]*$"}}
+
 
 
 def _no_nul_keys(value: Any) -> Any:
@@ -69,129 +51,15 @@ def _no_nul_keys(value: Any) -> Any:
 NoNulKeys = AfterValidator(_no_nul_keys)
 
 #: An integer field of a request body (its model is strict: no strings or booleans for numbers).
-JsonInt = Annotated[int, BeforeValidator(_json_integer)]
-OptionalJsonInt = Annotated[int | None, BeforeValidator(_json_integer)]  # (constraints then apply to the int)
-
-
-class ComponentSpec(BaseModel):
-    """An Optuna sampler or pruner: class name (or short alias) and constructor kwargs."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: str = Field(examples=["TPESampler", "random", "MedianPruner"])
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-
-def _echo(value: Any) -> Any:
-    """A refused kwarg's value as a 422 shows it: a list or object is summarised, not echoed
-    (a refused grid is the very thing that is too large)."""
-    if isinstance(value, (list, dict)):
-        return f"{type(value).__name__} of {len(value)} entries"
-    return f"{value[:77]}..." if isinstance(value, str) and len(value) > 80 else value
-
-
-def _spec_checked(check: Any, title: str) -> Any:
-    """The model validator of a sampler or pruner spec: allowed class, kwargs it takes, of their
-    types and within the ``FUSETUNE_SAMPLER_*`` caps (``server/optuna_specs.py``). Nothing is
-    built here, on the event loop: the service builds the spec under a deadline."""
-
-    def checked(self: ComponentSpec) -> ComponentSpec:
-        try:
-            check(self.name, self.kwargs, default_limits())
-        except SpecError as exc:
-            value = self.name if exc.loc == ("name",) else self.kwargs.get(exc.loc[-1]) if len(exc.loc) > 1 else None
-            raise _field_error(title, exc.loc, str(exc), _echo(value)) from exc
-        return self
-
-    return model_validator(mode="after")(checked)
-
-
-class SamplerSpec(ComponentSpec):
-    """An Optuna sampler from the service's allow-list, e.g. ``{"name": "TPESampler", "kwargs":
-    {"seed": 0}}``; the kwargs that size its work are capped (``FUSETUNE_SAMPLER_MAX_*``)."""
-
-    name: str = Field(examples=["TPESampler", "random"], json_schema_extra={"enum": sorted(SAMPLERS)})
-
-    _allowed = _spec_checked(check_sampler, "SamplerSpec")
-
-
-class PrunerSpec(ComponentSpec):
-    """An Optuna pruner from the service's allow-list, e.g. ``{"name": "MedianPruner", "kwargs":
-    {"n_warmup_steps": 2}}``."""
-
-    name: str = Field(examples=["MedianPruner", "hyperband"], json_schema_extra={"enum": sorted(PRUNERS)})
-
-    _allowed = _spec_checked(check_pruner, "PrunerSpec")
+JsonInt = Annotated[int, BeforeValidator(json_integer)]
+OptionalJsonInt = Annotated[int | None, BeforeValidator(json_integer)]  # (constraints then apply to the int)
 
 
 #: The Optuna study system attr that says why a study FAILED (``StudyOut.error``).
 FAILURE_ATTR = "fusetune:failure"
-
-
-def _field_error(title: str, loc: tuple[str | int, ...], message: str, value: Any) -> ValidationError:
-    """A validation error at ``loc`` (under the model being validated): a 422 naming that field."""
-    from pydantic_core import InitErrorDetails, PydanticCustomError
-
-    error = PydanticCustomError("value_error", "{message}", {"message": message})
-    return ValidationError.from_exception_data(title, [InitErrorDetails(type=error, loc=loc, input=value)])
-
-
-class OptimizerSpec(BaseModel):
-    """A fused ``torch.optim`` optimizer for a study's trials: torch's class name and
-    constructor kwargs, e.g. ``{"name": "AdamW", "kwargs": {"weight_decay": 0.05}}``.
-
-    The kwargs are torch's names; ``betas`` is a pair. A trial param of the same name
-    overrides them for that trial (``beta1``/``beta2`` override ``betas``' elements).
-    """
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: str = Field(
-        examples=["AdamW", "SGD", "RMSprop"], description="A torch.optim class name (lower case accepted).",
-        json_schema_extra={"enum": sorted({*OPTIMIZERS, *(n.lower() for n in OPTIMIZERS)})},
-    )
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _constructible(self) -> OptimizerSpec:
-        try:
-            self.name = optimizer_name(self.name)
-        except OptionError as exc:
-            raise _field_error("OptimizerSpec", ("name",), str(exc), self.name) from exc
-        try:
-            check_optimizer_spec(self.name, self.kwargs)
-        except OptionError as exc:
-            loc = ("kwargs", exc.param) if exc.param in self.kwargs else ("kwargs",)
-            raise _field_error("OptimizerSpec", loc, str(exc), self.kwargs.get(exc.param, self.kwargs)) from exc
-        return self
-
-
-class LRSchedulerSpec(BaseModel):
-    """A fused ``torch.optim.lr_scheduler`` scheduler for a study's trials, stepped once per
-    epoch: torch's class name and constructor kwargs, e.g. ``{"name": "StepLR", "kwargs":
-    {"step_size": 5, "gamma": 0.5}}``. A trial param of the same name overrides a kwarg
-    (unless the optimizer takes that name too: then it is the optimizer's)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: str = Field(
-        examples=["StepLR", "CosineAnnealingLR", "ReduceLROnPlateau"], description="A torch.optim.lr_scheduler class name.",
-        json_schema_extra={"enum": sorted({*LR_SCHEDULERS, *(n.lower() for n in LR_SCHEDULERS)})},
-    )
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _constructible(self) -> LRSchedulerSpec:
-        try:
-            self.name = lr_scheduler_name(self.name)
-        except OptionError as exc:
-            raise _field_error("LRSchedulerSpec", ("name",), str(exc), self.name) from exc
-        try:
-            check_lr_scheduler_spec(self.name, self.kwargs)
-        except OptionError as exc:
-            loc = ("kwargs", exc.param) if exc.param in self.kwargs else ("kwargs",)
-            raise _field_error("LRSchedulerSpec", loc, str(exc), self.kwargs.get(exc.param, self.kwargs)) from exc
-        return self
+#: The Optuna study's system attr holding what its user should know of how its trials train
+#: (``server/loop/notices.py``), shown as ``StudyOut.warnings``.
+WARNINGS_ATTR = "fusetune:warnings"
 
 
 def parse_search_space(
@@ -236,7 +104,7 @@ class StudyCreate(BaseModel):
     workload: str = Field(
         examples=["digits-mlp"],
         description="A registered workload (or, where the server allows imports, a `package.module:attr` path).",
-        json_schema_extra={"enum": sorted(available_workloads())},
+        json_schema_extra=json_enum(available_workloads()),
     )
     n_trials: JsonInt = Field(gt=0, le=100_000)
     epochs: JsonInt = Field(10, gt=0, le=10_000)
@@ -293,7 +161,7 @@ class StudyCreate(BaseModel):
     )
     metrics: list[str] | None = Field(
         None, min_length=1, max_length=16,
-        json_schema_extra={"uniqueItems": True, "items": {"type": "string", "enum": _metric_names()}},
+        json_schema_extra={"uniqueItems": True, "items": {"type": "string", **json_enum(_metric_names())}},
         description="The objectives, workload metrics by name (digits: accuracy, n_params); several make a "
         "multi-objective study (NSGA-II by default, no pruner). The first is each epoch's intermediate value. "
         "Default: the workload's metric.",
@@ -335,25 +203,27 @@ class StudyCreate(BaseModel):
         workload = _workload_here(self.workload)
         if self.metrics is not None:
             if len(set(self.metrics)) != len(self.metrics):
-                raise _field_error(title, ("metrics",), f"metrics repeat a name: {self.metrics}", self.metrics)
-            for i, name in enumerate(self.metrics if workload is not None else ()):
+                raise field_error(title, ("metrics",), f"metrics repeat a name: {self.metrics}", self.metrics)
+            for i, name in enumerate(self.metrics):
+                if workload is None:
+                    break  # a module-path workload: the service checks its metrics when it imports it
                 try:
                     workload.metric_named(name)
                 except KeyError as exc:
-                    raise _field_error(title, ("metrics", i), str(exc.args[0]), name) from exc
+                    raise field_error(title, ("metrics", i), str(exc.args[0]), name) from exc
         count = len(self.metrics or [None])
         if self.directions is not None and len(self.directions) != count:
-            raise _field_error(
+            raise field_error(
                 title, ("directions",), f"directions has {len(self.directions)} entries for {count} metrics", self.directions
             )
         if count > 1 or len(self.directions or ()) > 1:
             if self.pruner is not None:
-                raise _field_error(
+                raise field_error(
                     title, ("pruner",),
                     "a multi-objective study takes no pruner: Optuna's pruners are single-objective", self.pruner.model_dump(),
                 )
             if self.direction is not None:
-                raise _field_error(title, ("direction",), "a multi-objective study takes directions, one per metric", self.direction)
+                raise field_error(title, ("direction",), "a multi-objective study takes directions, one per metric", self.direction)
             if "sampler" not in self.model_fields_set:
                 self.sampler = SamplerSpec(name="NSGAIISampler")
                 self.model_fields_set.discard("sampler")  # still the default: the multi-objective one
@@ -364,14 +234,14 @@ class StudyCreate(BaseModel):
                     continue
                 choices = getattr(space[param], "choices", None)
                 if choices is None:
-                    raise _field_error(title, ("search_space", param), f"{param} must be a CategoricalDistribution", None)
+                    raise field_error(title, ("search_space", param), f"{param} must be a CategoricalDistribution", None)
                 for choice in choices:
                     if choice is None and param == "lr_scheduler":
                         continue  # no scheduler
                     try:
                         check(choice)
                     except OptionError as exc:
-                        raise _field_error(title, ("search_space", param), str(exc), choice) from exc
+                        raise field_error(title, ("search_space", param), str(exc), choice) from exc
         return self
 
     @model_validator(mode="after")
@@ -387,7 +257,7 @@ class StudyCreate(BaseModel):
         try:
             check_for_study(self.sampler.name, self.sampler.kwargs, space, objectives, default_limits())
         except SpecError as exc:
-            raise _field_error("StudyCreate", exc.loc, str(exc), None) from exc
+            raise field_error("StudyCreate", exc.loc, str(exc), None) from exc
         return self
 
     def training_spec(self) -> TrainingSpec:
@@ -472,6 +342,12 @@ class StudyOut(BaseModel):
         "(DELETE came while arrays of it trained: it goes once they stop)."
     )
     error: str | None = Field(None, description="Why a FAILED study failed.")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="How its trials train, where fusion could not do its best: a module the fused model runs once per "
+        "member (exact, without fusion's speed-up), or a model that fuses by neither path (its trials train unfused, "
+        "one per array). None fails a trial.",
+    )
     created_at: datetime
     completed_at: datetime | None = Field(description="When it ended and no trial of it ran any more.")
     trial_counts: dict[str, int] = Field(default_factory=dict)
@@ -584,9 +460,9 @@ class AttrValue(BaseModel):
     value: Any
 
 
-_WEIGHT = {"gt": 0, "le": 1e6, "description": "Shares of the cluster (2.0 = twice a weight-1 tenant's)."}
-_MAX_RUNNING = {"ge": 0, "le": 1_000_000, "description": "Most of its studies RUNNING at once; null: no limit."}
-_MAX_TRIALS = {"ge": 1, "le": 100_000, "description": "Most trials (n_trials) one of its studies may have; null: no limit."}
+_WEIGHT = "Shares of the cluster (2.0 = twice a weight-1 tenant's)."
+_MAX_RUNNING = "Most of its studies RUNNING at once; null: no limit."
+_MAX_TRIALS = "Most trials (n_trials) one of its studies may have; null: no limit."
 
 
 class TenantCreate(BaseModel):
@@ -596,10 +472,15 @@ class TenantCreate(BaseModel):
 
     name: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                       description="Letters, digits, '.', '_' and '-', starting with a letter or digit.")
-    weight: float = Field(1.0, **_WEIGHT)
-    max_running_studies: OptionalJsonInt = Field(None, **_MAX_RUNNING)
-    max_trials_per_study: OptionalJsonInt = Field(None, **_MAX_TRIALS)
+    weight: float = Field(1.0, gt=0, le=1e6, description=_WEIGHT)
+    max_running_studies: OptionalJsonInt = Field(None, ge=0, le=1_000_000, description=_MAX_RUNNING)
+    max_trials_per_study: OptionalJsonInt = Field(None, ge=1, le=100_000, description=_MAX_TRIALS)
     token_label: NoNul | None = Field(None, max_length=255, description="A note on the first token (who holds it).")
+
+
+def _without_default(schema: JsonDict) -> None:
+    """A field's schema without its ``default`` (a field left out keeps the stored value)."""
+    schema.pop("default", None)
 
 
 class TenantUpdate(BaseModel):
@@ -609,10 +490,10 @@ class TenantUpdate(BaseModel):
 
     # Not nullable in the document: null is refused (leave it out to keep the weight).
     weight: Annotated[float | None, WithJsonSchema({"type": "number", "exclusiveMinimum": 0, "maximum": 1e6})] = Field(
-        None, **_WEIGHT, json_schema_extra=lambda schema: schema.pop("default", None)
+        None, gt=0, le=1e6, description=_WEIGHT, json_schema_extra=_without_default
     )
-    max_running_studies: OptionalJsonInt = Field(None, **_MAX_RUNNING)
-    max_trials_per_study: OptionalJsonInt = Field(None, **_MAX_TRIALS)
+    max_running_studies: OptionalJsonInt = Field(None, ge=0, le=1_000_000, description=_MAX_RUNNING)
+    max_trials_per_study: OptionalJsonInt = Field(None, ge=1, le=100_000, description=_MAX_TRIALS)
 
     @field_validator("weight")
     @classmethod

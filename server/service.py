@@ -14,20 +14,30 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.study.study import _SYSTEM_ATTR_METRIC_NAMES
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
-from fusetune.server.quotas import check_running_quota, check_trials_quota, lock_tenant
-from fusetune.server.optuna_specs import SpecError, build_for_study, default_limits
-from fusetune.server.mirror import CreatedStudy, create_study_rows
-from fusetune.server.schemas import FAILURE_ATTR, ArrayOut, PruningDecision, StudyCreate, StudyOut, StudyUpdate, TrialEnqueue, TrialOut
-from fusetune.workers.spec import TrainingSpec
-from fusetune.workers.workloads import available_workloads, UnknownWorkloadError, get_workload
 from fusetune.server import reads
+from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
 from fusetune.server.errors import Conflict, Invalid, NotFound, Unavailable
+from fusetune.server.mirror import CreatedStudy, create_study_rows
+from fusetune.server.optuna_specs import SpecError, build_for_study, default_limits
 from fusetune.server.pagination import Page, PageParams
+from fusetune.server.quotas import check_running_quota, check_trials_quota, lock_tenant
+from fusetune.server.schemas import (
+    FAILURE_ATTR,
+    WARNINGS_ATTR,
+    ArrayOut,
+    PruningDecision,
+    StudyCreate,
+    StudyOut,
+    StudyUpdate,
+    TrialEnqueue,
+    TrialOut,
+)
+from fusetune.workers.spec import TrainingSpec
+from fusetune.workers.workloads import UnknownWorkloadError, available_workloads, get_workload
 
 if TYPE_CHECKING:
     from fusetune.server.loop import SchedulingLoop
@@ -186,9 +196,11 @@ def _study_outs(session: Session, url: str, studies: Sequence[Study]) -> list[St
 
 
 def _finish_out(out: StudyOut, study: Study) -> StudyOut:
-    """A study's failure (its Optuna system attr), objectives and training settings (its
-    configuration) on its ``StudyOut``."""
+    """A study's failure and warnings (its Optuna system attrs), objectives and training
+    settings (its configuration) on its ``StudyOut``."""
     out.error = out.system_attrs.get(FAILURE_ATTR) if study.state == StudyState.FAILED else None
+    warnings = out.system_attrs.get(WARNINGS_ATTR)
+    out.warnings = [str(w) for w in warnings] if isinstance(warnings, list) else []
     _training_out(out, study, study.config.training)
     return out
 

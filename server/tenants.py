@@ -21,11 +21,11 @@ from sqlalchemy.orm import Session
 
 from fusetune.server.auth import TokenRevoked, hash_token, new_token
 from fusetune.server.db import Study, StudyState, Tenant, Token, utcnow
-from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreated, TokenOut
-from fusetune.server.pagination import NAME_CURSOR, Page, PageParams
-from fusetune.server.reads import id_page, keyset_page
 from fusetune.server.errors import Conflict, NotFound
+from fusetune.server.pagination import NAME_CURSOR, Page, PageParams
 from fusetune.server.quotas import lock_tenant
+from fusetune.server.reads import id_page, keyset_page
+from fusetune.server.schemas import TenantCreate, TenantCreated, TenantOut, TenantUpdate, TokenCreated, TokenOut
 
 
 def list_tenants(session: Session, *, page: PageParams = PageParams(), as_tenant: str | None = None) -> Page[TenantOut]:
@@ -78,7 +78,7 @@ def update_tenant(session: Session, name: str, update: TenantUpdate) -> TenantOu
             )
     limit = changes.get("max_trials_per_study")
     if limit is not None:
-        largest = session.scalar(select(func.max(Study.n_trials)).where(running.whereclause))
+        largest = session.scalar(select(func.max(Study.n_trials)).where(Study.tenant == name, Study.state == StudyState.RUNNING))
         if largest is not None and largest > limit:
             raise Conflict(
                 "max_trials_per_study",
@@ -116,7 +116,7 @@ def create_token(
         raise TokenRevoked(f"token {minted_by} was revoked")
     if max_live is not None:
         live = session.scalar(select(func.count()).where(Token.tenant == tenant, Token.revoked_at.is_(None)))
-        if live >= max_live:
+        if (live or 0) >= max_live:
             raise Conflict(
                 "max_tokens_per_tenant",
                 f"tenant {tenant!r} holds {live} live tokens, the most FUSETUNE_MAX_TOKENS_PER_TENANT={max_live} "

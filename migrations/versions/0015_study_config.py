@@ -13,9 +13,8 @@ Create Date: 2026-12-06
 
 import json
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = "0015"
 down_revision = "0014"

@@ -16,9 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
-
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool

@@ -32,6 +32,9 @@ from starlette.routing import compile_path
 from fusetune.server.errors import Conflict, Invalid, NotFound, Unavailable
 from fusetune.server.params import DECIMAL
 
+#: A route's documented answers by status, as FastAPI's ``responses`` takes them.
+Answers = dict[int | str, dict[str, Any]]
+
 #: Largest id of fusetune's tables (PostgreSQL's INTEGER; SQLite's are wider).
 MAX_ID = 2**31 - 1
 #: Largest event id (ft_events.id is a BIGINT).
@@ -64,19 +67,19 @@ def _error(description: str, model: type[BaseModel] = ErrorMessage, **extra: Any
     return {"model": model, "description": description, **extra}
 
 
-UNAUTHORIZED = {
+UNAUTHORIZED: Answers = {
     401: _error(
         "No bearer token, or one that is unknown or revoked.",
         headers={"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
     )
 }
-FORBIDDEN = {403: _error("Only the admin may do this.")}
-NOT_FOUND = {404: _error("No such resource, or another tenant's.")}
-CONFLICT = {409: _error("The request clashes with the state of the service; `loc` names the field.", FieldErrors)}
-MALFORMED = {400: _error("The body cannot be read (not UTF-8, a broken chunked encoding).")}
-TOO_LARGE = {413: _error("The body is larger than FUSETUNE_MAX_BODY_BYTES.")}
-NOT_JSON = {415: _error("The body is not JSON (Content-Type: application/json).")}
-UNAVAILABLE = {503: _error("The database is unreachable, or the scheduling loop does not run.")}
+FORBIDDEN: Answers = {403: _error("Only the admin may do this.")}
+NOT_FOUND: Answers = {404: _error("No such resource, or another tenant's.")}
+CONFLICT: Answers = {409: _error("The request clashes with the state of the service; `loc` names the field.", FieldErrors)}
+MALFORMED: Answers = {400: _error("The body cannot be read (not UTF-8, a broken chunked encoding).")}
+TOO_LARGE: Answers = {413: _error("The body is larger than FUSETUNE_MAX_BODY_BYTES.")}
+NOT_JSON: Answers = {415: _error("The body is not JSON (Content-Type: application/json).")}
+UNAVAILABLE: Answers = {503: _error("The database is unreachable, or the scheduling loop does not run.")}
 
 _WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 #: A path parameter's Starlette convertor (``{key:text}``), which the OpenAPI document leaves out.
@@ -95,8 +98,9 @@ def route_table(app: FastAPI) -> Iterator[tuple[str, set[str], Any]]:
     except ImportError:
         for route in app.routes:
             methods = getattr(route, "methods", None)
-            if getattr(route, "path", None) is not None and methods:
-                yield route.path, set(methods), route
+            path = getattr(route, "path", None)
+            if path is not None and methods:
+                yield path, set(methods), route
 
 
 def _depends_on(route: APIRoute, names: set[str]) -> set[str]:
@@ -104,9 +108,9 @@ def _depends_on(route: APIRoute, names: set[str]) -> set[str]:
     stack = [route.dependant]
     while stack:
         dependant = stack.pop()
-        call = getattr(dependant, "call", None)
-        if getattr(call, "__name__", None) in names:
-            found.add(call.__name__)
+        name = getattr(getattr(dependant, "call", None), "__name__", None)
+        if name in names:
+            found.add(name)
         stack.extend(dependant.dependencies)
     return found
 

@@ -17,7 +17,7 @@ import sqlite3
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as SATimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,7 +25,6 @@ from fusetune.server.api import events, ops
 from fusetune.server.api.errors import document_errors, method_not_allowed
 from fusetune.server.api.limits import RequestBodyLimits
 from fusetune.server.metrics import Metrics, RequestMetrics
-
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,8 @@ def install(app: FastAPI) -> None:
         if not unreachable(exc):
             log.error("database error", exc_info=exc)
             return JSONResponse(status_code=500, content={"detail": "Internal Server Error"})
-        return JSONResponse(status_code=503, content={"detail": f"the database is unreachable: {ops._reason(exc)}"})
+        reason = ops._reason(exc) if isinstance(exc, SQLAlchemyError) else str(exc)
+        return JSONResponse(status_code=503, content={"detail": f"the database is unreachable: {reason}"})
 
     app.add_exception_handler(OperationalError, database_unreachable)
 

@@ -6,22 +6,26 @@ routes on tenant resources pass the caller's tenant to the service as ``as_tenan
 
 from __future__ import annotations
 
+import pathlib
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
-from fastapi.responses import FileResponse
-from starlette.convertors import Convertor, register_url_convertor
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.convertors import Convertor, register_url_convertor
 
 from fusetune.server import service
-from fusetune.server.errors import Unavailable
 from fusetune.server.api.deps import LoopDep, PrincipalDep, SessionDep, SessionRoute, SettingsDep, UrlDep, authenticate
 from fusetune.server.api.errors import CONFLICT, MAX_ID, UNAVAILABLE, StudyId, TrialId
 from fusetune.server.api.links import answers, links
+from fusetune.server.curves import MIN_POINTS
+from fusetune.server.db import ArrayState, StudyState, TrialState
+from fusetune.server.errors import Unavailable
+from fusetune.server.pagination import ID_CURSOR, LINK_HEADER, TRIAL_CURSOR, PageParams, json_page, page_params, paged
 from fusetune.server.params import DECIMAL
+from fusetune.server.reads import ID_SORTS, TRIAL_SORTS
 from fusetune.server.schemas import (
     ArrayOut,
     AttrValue,
@@ -33,10 +37,6 @@ from fusetune.server.schemas import (
     TrialEnqueue,
     TrialOut,
 )
-from fusetune.server.curves import MIN_POINTS
-from fusetune.server.db import ArrayState, StudyState, TrialState
-from fusetune.server.pagination import ID_CURSOR, LINK_HEADER, TRIAL_CURSOR, PageParams, json_page, page_params, paged
-from fusetune.server.reads import ID_SORTS, TRIAL_SORTS
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)], route_class=SessionRoute)
 health_router = APIRouter(route_class=SessionRoute)
@@ -179,7 +179,7 @@ def download_state_dict(
     roots = [settings.artifact_dir]
     store = getattr(settings, "artifact_store", None)
     if isinstance(store, str) and store.startswith("file://"):
-        roots.append(store[len("file://"):])
+        roots.append(pathlib.Path(store[len("file://"):]))
     path = service.trial_state_dict(session, trial_id, roots, as_tenant=principal.tenant)
     return FileResponse(path, media_type="application/octet-stream", filename=path.name)
 

@@ -33,10 +33,15 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import JSON, Table, bindparam, event, func, insert, select, update
+from sqlalchemy import JSON, Result, Table, bindparam, event, func, insert, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
-__all__ = ["add_rows", "add_updates", "insert_returning", "insert_rows", "write_pending"]
+__all__ = ["add_rows", "add_updates", "insert_returning", "insert_rows", "rowcount", "write_pending"]
+
+
+def rowcount(result: Result[Any]) -> int:
+    """How many rows an UPDATE or DELETE changed (0 where the driver does not say)."""
+    return int(getattr(result, "rowcount", 0) or 0)
 
 #: Key, in ``Session.info``, of the rows :func:`add_rows` holds back: table -> rows, in order.
 _PENDING = "fusetune.bulk"
@@ -141,7 +146,8 @@ def _model_defaults(table: Table, names: Sequence[str]) -> dict[str, Any]:
         default = column.default
         if column.name in names or default is None or not (default.is_scalar or default.is_callable):
             continue
-        defaults[column.name] = default.arg(None) if default.is_callable else default.arg
+        arg: Any = default.arg  # type: ignore[attr-defined]  # a scalar or callable default (checked above) has one
+        defaults[column.name] = arg(None) if default.is_callable else arg
     return defaults
 
 
@@ -166,7 +172,9 @@ def insert_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]
     values_of = operator.itemgetter(*names)
     quoted = ", ".join(dialect.identifier_preparer.quote(name) for name in names)
     target = dialect.identifier_preparer.format_table(table)
-    cursor = connection.connection.driver_connection.cursor()
+    driver = connection.connection.driver_connection
+    assert driver is not None  # a connection checked out of the pool has its driver's
+    cursor = driver.cursor()
     with cursor.copy(f"COPY {target} ({quoted}) FROM STDIN") as copy:
         for row in rows:
             values = list(values_of(row)) if len(names) > 1 else [row[names[0]]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -25,7 +25,7 @@ MIGRATIONS_DIR = Path(migrations.__file__).parent
 VERSION_TABLE = "fusetune_alembic_version"
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # WAL lets the API read while the control plane writes; foreign keys are off by default.
     # In WAL mode synchronous=NORMAL syncs at checkpoints, not at every commit: a commit
     # survives the process crashing (only a power loss can undo the last ones), and an
@@ -162,7 +162,7 @@ def upgrade(url: str) -> None:
 
 
 @lru_cache(maxsize=8)
-def get_optuna_storage(url: str) -> "optuna.storages.RDBStorage":
+def get_optuna_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage on the same database, so ``optuna.load_study`` sees every trial."""
     import optuna
 

@@ -9,10 +9,28 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, cast
 
-from sqlalchemy import JSON, BigInteger, Boolean, ColumnElement, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, func, or_, select, true
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    ColumnElement,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Table,
+    Text,
+    func,
+    or_,
+    select,
+    true,
+)
 from sqlalchemy.ext.hybrid import hybrid_property
 from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -21,7 +39,7 @@ from fusetune.workers.spec import TrainingSpec
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -37,7 +55,7 @@ class UTCDateTime(TypeDecorator[datetime]):
 
     def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
         if value is not None and value.tzinfo is not None:
-            value = value.astimezone(timezone.utc)
+            value = value.astimezone(UTC)
             if dialect.name == "sqlite":
                 value = value.replace(tzinfo=None)  # SQLite stores the text; keep it in one form
         return value
@@ -46,13 +64,19 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         if value.tzinfo is None:
-            return value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc)
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
 
 
 #: Ids of tables that grow without bound (events): 64-bit on PostgreSQL; on SQLite every
 #: INTEGER PRIMARY KEY is a 64-bit rowid already (and only INTEGER autoincrements there).
 BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def table_of(model: Any) -> Table:
+    """A model's table, typed as one (SQLAlchemy types ``__table__`` as any ``FromClause``):
+    the Core statements that write many rows at once take it."""
+    return cast(Table, model.__table__)
 
 
 class Base(DeclarativeBase):
@@ -388,7 +412,7 @@ class TrialRevision(Base):
 
 
 #: 0 until the trial's first commit writes its row.
-Trial.revision = column_property(  # type: ignore[attr-defined]
+Trial.revision = column_property(
     func.coalesce(
         select(TrialRevision.revision).where(TrialRevision.trial_id == Trial.id).correlate_except(TrialRevision).scalar_subquery(),
         0,

@@ -41,6 +41,8 @@ from typing import Any
 from sqlalchemy import event, func, insert, select, text, update
 from sqlalchemy.orm import ORMExecuteState, Session, UOWTransaction
 
+from fusetune.server.db.models import table_of
+
 from .models import Revision, Trial, TrialRevision
 
 __all__ = ["current_revision", "inserting_trials", "next_revision", "touch_trials"]
@@ -57,9 +59,9 @@ _INSERTED_AFTER_KEY = "fusetune.inserted_after"
 _FLUSHING_KEY = "fusetune.flushing"
 _COUNTER_ID = 1
 _SQLITE_CHUNK = 10_000
-_trials = Trial.__table__
-_stamps = TrialRevision.__table__
-_counter = Revision.__table__
+_trials = table_of(Trial)
+_stamps = table_of(TrialRevision)
+_counter = table_of(Revision)
 
 # A new trial's stamp row, in both dialects (an upsert: a trial created and changed again
 # within one transaction is stamped once), and every other change: an UPDATE, with all
@@ -138,7 +140,7 @@ def _stamp(session: Session, touched: set[int], created: dict[int, int], inserte
     if connection.dialect.name == "postgresql":
         connection.execute(_STAMP_ARRAY, {"ids": sorted(touched), "revision": revision})
     else:  # in chunks: SQLite caps a statement's parameters (250,000 in this build)
-        stamps, ids = TrialRevision.__table__, sorted(touched)
+        stamps, ids = table_of(TrialRevision), sorted(touched)
         for start in range(0, len(ids), _SQLITE_CHUNK):
             chunk = ids[start:start + _SQLITE_CHUNK]
             connection.execute(update(stamps).where(stamps.c.trial_id.in_(chunk)).values(revision=revision))
@@ -181,11 +183,12 @@ def _touch_statements(state: ORMExecuteState) -> None:
         return
     next_revision(session)  # the counter's lock before the statement writes trial rows
     connection = session.connection()
-    where = state.statement.whereclause
+    where = getattr(state.statement, "whereclause", None)  # an UPDATE's (checked above)
     if where is None and isinstance(state.parameters, list):  # an ORM bulk update by primary key
         changing = [row["id"] for row in state.parameters]
     else:
-        changing = list(connection.execute(select(_trials.c.id).where(True if where is None else where)).scalars())
+        found = select(_trials.c.id) if where is None else select(_trials.c.id).where(where)
+        changing = list(connection.execute(found).scalars())
     session.info.setdefault(_TOUCHED_KEY, set()).update(changing)
 
 

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from fusetune.server import events
 from fusetune.server.db import Study, StudyState, Trial, TrialState, utcnow
 from fusetune.server.db.bulk import insert_returning
+from fusetune.server.db.models import table_of
 from fusetune.server.db.revisions import inserting_trials
 from fusetune.server.errors import Conflict
 from fusetune.server.loop import rows
@@ -96,7 +97,7 @@ class Asker:
             service.Conflict: naming ``n_trials`` when the study has asked all its trials.
         """
         with self.ctx.sessions() as session:
-            study = session.get(Study, study_id)
+            study = rows.study(session, study_id)
             self.lifecycle.check_askable(session, study)
             asked = rows.asked(session, study.id)
             if asked >= study.n_trials:
@@ -112,7 +113,7 @@ class Asker:
                 session.rollback()
                 self.mirrors.drop(study.id)
                 raise
-            row = session.get(Trial, trial_id)
+            row = session.get_one(Trial, trial_id)
             session.expunge(row)
         self.ctx.wake()
         return row
@@ -123,7 +124,7 @@ class Asker:
         workload = get_workload(study.workload)
         mirror = self.mirrors.of(study)
         distributions = parse_search_space(study.search_space) if study.search_space else None
-        new: list[dict[str, Any]] = []
+        new: list[dict[str, Any]] = []  # the trials' rows
         for trial in mirror.ask(session, wanted, workload.search_space, distributions):
             row = {"study_id": study.id, "optuna_trial_id": trial.trial_id, "number": trial.number, "params": trial.params,
                    "signature": "", "state": TrialState.WAITING, "error": trial.error, "completed_at": None}
@@ -141,10 +142,10 @@ class Asker:
         # One statement for the batch (the unit of work's flush of 64 trials cost more than
         # their signatures), stamped like any trial write.
         inserting_trials(session)
-        ids = insert_returning(session, Trial.__table__, new)
+        ids = insert_returning(session, table_of(Trial), new)
         for trial_id, row in zip(ids, new, strict=True):
-            where = {"tenant": study.tenant, "study_id": study.id, "trial_id": trial_id}
-            events.record(session, "trial.asked", **where, number=row["number"], params=row["params"], state=row["state"].value)
+            where: dict[str, Any] = {"tenant": study.tenant, "study_id": study.id, "trial_id": trial_id}
+            events.record(session, "trial.asked", **where, number=row["number"], params=row["params"], state=TrialState(row["state"]).value)
             if row["state"] == TrialState.FAIL:
                 events.record(session, "trial.ended", **where, state="FAIL", value=None, error=row["error"])
         return ids

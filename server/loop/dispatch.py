@@ -177,6 +177,12 @@ class Dispatcher:
         round_.starts[placement.signature] -= 1
         fits = self.scheduler.throughput.curve(placement.signature, worker.device_type).memory_cap(worker.memory_bytes)
         cap = max(min(len(placement.trial_ids), limit), min(limit, share, fits))
+        # A model found to fuse by neither path (also by an earlier process: the study's attrs)
+        # trains one member per array.
+        mirror = self.ctx.mirrors.loaded(study.id)
+        self.throughput.recall_unfusible(
+            study, lambda: mirror.system_attrs if mirror is not None else self.ctx.storage.get_study_system_attrs(study.optuna_study_id)
+        )
         cap = min(cap, self.throughput.size_cap(session, placement.signature, worker, queue[0].trial_id, round_.waiting))
         if cap == 0:
             return False  # its memory model is measured on a worker first: a later round starts it
@@ -216,6 +222,8 @@ class Dispatcher:
         array never holds more than the size it started with (or ``cap``). With ``chain``,
         only the places of members on their last epoch are offered."""
         spec = worker.spec
+        if spec is None:
+            return  # its array ended this round: nothing to offer it
         moving = {i for ids in self.state.moves.values() for i in ids}
         ids = [i for i in ids if i not in moving]  # they left for an idle device: they go there
         present = [t.id for t, _ in found if t.array_id == spec.array_id]
@@ -300,22 +308,22 @@ class Dispatcher:
         unfinished = rows.movable(session)
         if any(t.state == TrialState.WAITING for t in unfinished):
             return  # trials wait for a device, or for the array offered them: nothing moves
-        busy = {w.name: w for w in self.ctx.pool.workers if not w.idle and w.spec is not None}
+        busy = {w.name: (w, w.spec) for w in self.ctx.pool.workers if w.spec is not None}
         best: tuple[float, str, list[int]] | None = None
-        for name, worker in busy.items():
-            live, current = self.state.live.get(worker.spec.array_id), self.state.running.get(name)
+        for name, (worker, spec) in busy.items():
+            live, current = self.state.live.get(spec.array_id), self.state.running.get(name)
             if (
                 worker.device_type not in idle or live is None or current is None or live.client_decides
                 or live.study_id in self.state.halting  # paused or stopping: its members leave anyway
             ):
                 continue
-            members = [t for t in unfinished if t.array_id == worker.spec.array_id]
+            members = [t for t in unfinished if t.array_id == spec.array_id]
             if any(t.id not in current.trial_ids for t in members) or any(t.id not in live.steps for t in members):
                 continue  # members are leaving already, or have not reported here yet
             # Epochs each has left after the one it trains now.
             remaining = {t.id: t.epochs - 2 - live.steps[t.id] for t in members}
             epoch_s, size = live.last_epoch
-            curve = self.scheduler.throughput.curve(worker.spec.signature, worker.device_type)
+            curve = self.scheduler.throughput.curve(spec.signature, worker.device_type)
             build_s = live.timings.get("build_s", 0.0)
             movers, saved = split_plan(
                 remaining, epoch_s if size == len(members) else 0.0, build_s, curve.rate, self.settings.move_latency_s
@@ -324,9 +332,9 @@ class Dispatcher:
                 best = (saved, name, movers)
         if best is not None:
             saved, name, movers = best
-            target = idle[busy[name].device_type].name
+            target = idle[busy[name][0].device_type].name
             log.info("worker %s: %d members move to %s (%.2f s sooner, estimated)", name, len(movers), target, saved)
-            self._preempt(movers, busy, [(t, None) for t in unfinished])
+            self._preempt(movers, {n: w for n, (w, _) in busy.items()}, [(t, None) for t in unfinished])
             self.state.moves[target] = movers
 
     def _start_moves(
@@ -359,7 +367,7 @@ class Dispatcher:
         for trial, study in found:
             live = self.state.live.get(trial.array_id) if trial.state == TrialState.RUNNING else None
             step = live.steps.get(trial.id) if live is not None else None
-            if step is not None and 0 < study.epochs - 1 - step <= live.lookahead:
+            if live is not None and step is not None and 0 < study.epochs - 1 - step <= live.lookahead:
                 out[trial.id] = live.epochs_done + study.epochs - 1 - step
         return out
 
@@ -375,7 +383,8 @@ class Dispatcher:
         array_of = {t.id: t.array_id for t, _ in found if t.state == TrialState.RUNNING}
         asks: dict[str, list[int]] = {}
         for trial_id in preempted:
-            worker = worker_of.get(array_of.get(trial_id))
+            array_id = array_of.get(trial_id)
+            worker = worker_of.get(array_id) if array_id is not None else None
             if worker is not None:
                 asks.setdefault(worker.name, []).append(trial_id)
         for name, ids in asks.items():
@@ -407,7 +416,7 @@ class Dispatcher:
         array_id = rows.start_array(
             session, study.id, signature, self.state.worker_ids.get(worker.name), worker.node_id or None, [t.id for t in trials]
         )
-        where = {"tenant": study.tenant, "study_id": study.id, "array_id": array_id}
+        where: dict[str, Any] = {"tenant": study.tenant, "study_id": study.id, "array_id": array_id}
         events.record(session, "array.started", **where, trial_ids=[t.id for t in trials], worker=worker.name, signature=signature)
         for t in trials:
             events.record(session, "trial.started", **where, trial_id=t.id, number=t.number, resumed_at_epoch=None)
@@ -430,6 +439,7 @@ class Dispatcher:
             prunes=study.pruner is not None or study.driver == "client",
             training=study.config.training,
             reply_timeout_s=self.settings.prune_reply_timeout_s,
+            fused=self.throughput.unfusible(class_of(trials[0])) is None,
         )
         session.commit()
         try:

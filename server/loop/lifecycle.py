@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 
 from fusetune.server import events, mirror
 from fusetune.server.db import Study, StudyState, Tenant, TrialState, utcnow
-from fusetune.server.errors import Conflict, NotFound
+from fusetune.server.errors import Conflict
 from fusetune.server.loop import rows
 from fusetune.server.loop.context import LoopContext
 from fusetune.server.loop.rows import STOPPING
@@ -73,7 +73,7 @@ class Lifecycle:
             Conflict: naming ``state`` when the study is not RUNNING or PAUSED.
         """
         with self.ctx.sessions() as session:
-            study = _study(session, study_id)
+            study = rows.study(session, study_id)
             if study.state == StudyState.PAUSED:
                 return
             if study.state != StudyState.RUNNING:
@@ -94,14 +94,14 @@ class Lifecycle:
                 ``max_running_studies`` when its tenant already runs as many studies as that quota.
         """
         with self.ctx.sessions() as session:
-            study = _study(session, study_id)
+            study = rows.study(session, study_id)
             if study.state == StudyState.RUNNING:
                 return
             if study.state != StudyState.PAUSED:
                 raise Conflict(
                     "state", f"study {study_id} is {study.state.value}; only a PAUSED study can be resumed", where="study"
                 )
-            check_running_quota(session, session.get(Tenant, study.tenant, with_for_update=True))
+            check_running_quota(session, session.get_one(Tenant, study.tenant, with_for_update=True))
             study.state = StudyState.RUNNING
             session.commit()
         self.state.halting.pop(study_id, None)
@@ -117,7 +117,7 @@ class Lifecycle:
                 is being deleted.
         """
         with self.ctx.sessions() as session:
-            study = _study(session, study_id)
+            study = rows.study(session, study_id)
             if study.state == StudyState.CANCELLED:
                 return
             if study.state not in (StudyState.RUNNING, StudyState.PAUSED):
@@ -139,7 +139,7 @@ class Lifecycle:
             Invalid: naming ``n_trials`` when it is over the tenant's ``max_trials_per_study``.
         """
         with self.ctx.sessions() as session:
-            study = _study(session, study_id)
+            study = rows.study(session, study_id)
             if study.state in STOPPING:
                 raise Conflict(
                     "state", f"study {study_id} is {study.state.value}; its n_trials cannot change", where="study"
@@ -147,7 +147,7 @@ class Lifecycle:
             asked = rows.asked(session, study_id)
             if n_trials < asked:
                 raise Conflict("n_trials", f"study {study_id} has asked {asked} trials already; n_trials={n_trials} is below that")
-            tenant = session.get(Tenant, study.tenant, with_for_update=True)  # quotas: as on creation
+            tenant = session.get_one(Tenant, study.tenant, with_for_update=True)  # quotas: as on creation
             check_trials_quota(tenant, n_trials)
             reopen = study.state == StudyState.COMPLETE and n_trials > asked
             if reopen:
@@ -165,7 +165,7 @@ class Lifecycle:
         Returns whether it is gone already.
         """
         with self.ctx.sessions() as session:
-            study = _study(session, study_id)
+            study = rows.study(session, study_id)
             if study.state != StudyState.DELETING:
                 study.state = StudyState.DELETING
                 session.commit()
@@ -228,9 +228,9 @@ class Lifecycle:
         state = self.state.halting.get(live.study_id)
         if state not in STOPPING or not report.released:
             return False
-        reason = self._end_reason(session.get(Study, live.study_id))
+        reason = self._end_reason(session.get_one(Study, live.study_id))
         value = {m.trial_id: m.value for m in report.members}
-        where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
+        where: dict[str, Any] = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
         for trial_id in report.released:
             mirror.tell(session, live.optuna_ids[trial_id], OptunaState.PRUNED)
             rows.finish(session, trial_id, TrialState.PRUNED, now, value.get(trial_id), reason, event=where)
@@ -300,7 +300,7 @@ class Lifecycle:
         waiting = self.state.awaiting.pop(array_id)
         live = self.state.live[array_id]
         mirror = self.mirrors.stopping(study)
-        where = {"tenant": study.tenant, "study_id": study.id, "array_id": array_id}
+        where: dict[str, Any] = {"tenant": study.tenant, "study_id": study.id, "array_id": array_id}
         for trial_id, step in waiting.steps.items():
             mirror.tell(session, live.optuna_ids[trial_id], OptunaState.PRUNED)
             value = mirror.trial(live.optuna_ids[trial_id]).intermediate_values.get(step)
@@ -319,15 +319,18 @@ class Lifecycle:
         if not arrays:
             return
         members: dict[int, list[int]] = {}
-        for trial_id, array_id in rows.unfinished_in_arrays(session, arrays):
-            if not (once and trial_id in self.state.leaving.get(array_id, ())):
-                members.setdefault(array_id, []).append(trial_id)
+        for trial_id, in_array in rows.unfinished_in_arrays(session, arrays):
+            if in_array is None or once and trial_id in self.state.leaving.get(in_array, ()):
+                continue
+            members.setdefault(in_array, []).append(trial_id)
         for worker in self.ctx.pool.workers:
             if worker.spec is not None and worker.spec.array_id in members:
                 self._release(worker, members[worker.spec.array_id])
 
     def _release(self, worker: WorkerHandle, trial_ids: Iterable[int]) -> None:
         ids = list(trial_ids)
+        if worker.spec is None:
+            return  # its array has ended: its members left already
         self.ctx.pool.release(worker, ids)
         self.state.leaving.setdefault(worker.spec.array_id, set()).update(ids)
         current = self.state.running.get(worker.name)
@@ -398,13 +401,6 @@ class Lifecycle:
             store.delete_dir(key)
         except OSError as exc:
             log.warning("could not remove %s: %s", store.location(key), exc)
-
-
-def _study(session: Session, study_id: int) -> Study:
-    study = session.get(Study, study_id)
-    if study is None:  # deleted since the request found it
-        raise NotFound(f"study {study_id} does not exist")
-    return study
 
 
 __all__ = ["Lifecycle"]

@@ -206,7 +206,7 @@ class Mirrors:
             check_stored(
                 config.sampler, config.pruner, limits=SpecLimits.of(self.settings),
                 objectives=lambda: reads.objectives(session, study.optuna_study_id),
-                search_space=(lambda: parse_search_space(study.search_space)) if study.search_space else None,
+                search_space=(lambda: parse_search_space(study.search_space or {})) if study.search_space else None,
             )
         except (SpecError, ValueError, KeyError, TypeError) as exc:  # a spec this version refuses, however stored
             return f"its stored sampler or pruner is refused: {exc}"

@@ -22,6 +22,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from optuna.trial import TrialState as OptunaState
@@ -30,11 +31,13 @@ from sqlalchemy.orm import Session
 from fusetune.server import events
 from fusetune.server.db import Array, ArrayState, Study, StudyState, TrialState, utcnow
 from fusetune.server.db.bulk import add_updates
+from fusetune.server.db.models import table_of
 from fusetune.server.db.revisions import touch_trials
 from fusetune.server.errors import Conflict
 from fusetune.server.loop import rows
 from fusetune.server.loop.context import LoopContext
 from fusetune.server.loop.lifecycle import Lifecycle
+from fusetune.server.loop.notices import StudyWarnings
 from fusetune.server.loop.rows import STOPPING
 from fusetune.server.loop.state import LOOKAHEAD_EPOCHS, Awaiting, Live
 from fusetune.server.loop.thread import database_unavailable
@@ -65,6 +68,26 @@ def add_timings(total: Mapping[str, float] | None, more: Mapping[str, float]) ->
     return out
 
 
+@dataclass(frozen=True)
+class _LiveEpoch:
+    """What an array-epoch's writes change of its :class:`Live`, kept to put back if they roll back."""
+
+    epochs_done: int
+    timings: dict[str, float]
+    checkpoints: dict[int, int]
+    announced: set[int]
+    steps: dict[int, int]
+    ended: set[int]
+
+    @classmethod
+    def of(cls, live: Live) -> _LiveEpoch:
+        return cls(live.epochs_done, dict(live.timings), dict(live.checkpoints), set(live.announced), dict(live.steps), set(live.ended))
+
+    def restore(self, live: Live) -> None:
+        live.epochs_done, live.timings, live.checkpoints = self.epochs_done, self.timings, self.checkpoints
+        live.announced, live.steps, live.ended = self.announced, self.steps, self.ended
+
+
 class Recorder:
     """Writes what workers report (see the module docstring)."""
 
@@ -80,6 +103,8 @@ class Recorder:
         self.reports_ingested = 0
         #: A worker died (replacement actors run in new processes): the loop registers its workers again.
         self.workers_changed = False
+        #: What fusion says a study's user should know (modules run once per member, models unfused).
+        self.notices = StudyWarnings(ctx.storage)
 
     def handle(self, events: Sequence[Event]) -> bool:
         """Answer epoch reports and record ended arrays, in the order the workers said them.
@@ -96,31 +121,31 @@ class Recorder:
         self.backlog.extend(events)
         ended = False
         while self.backlog:
-            run: list[Event] = []
-            for event in itertools.islice(self.backlog, _GROUP_COMMIT):  # one report per array
-                if not isinstance(event[2], EpochReport) or any(e[1].array_id == event[1].array_id for e in run):
+            run: list[tuple[WorkerHandle, EpochReport]] = []
+            for worker, spec, item in itertools.islice(self.backlog, _GROUP_COMMIT):  # one report per array
+                if not isinstance(item, EpochReport) or any(r.array_id == spec.array_id for _, r in run):
                     break
-                run.append(event)
+                run.append((worker, item))
             if len(run) > 1:  # reports that came together are written together
                 try:
-                    replies = self.record_epochs([(worker, report) for worker, _, report in run])
+                    replies = self.record_epochs(run)
                 except Exception as exc:
                     if database_unavailable(exc):
                         raise
                     # Written one at a time below, so that one bad report costs only itself.
                     log.warning("%d array-epochs could not be recorded together (%s): one at a time", len(run), exc)
                 else:
-                    for (worker, _, report), reply in zip(run, replies):
+                    for (worker, report), reply in zip(run, replies):
                         ended = self._answer(worker, report, reply) or ended
                         self.backlog.popleft()
                     continue
-            worker, spec, item = self.backlog[0]
+            worker, spec, event = self.backlog[0]
             try:
-                ended = self._handle_one(worker, spec, item) or ended
+                ended = self._handle_one(worker, spec, event) or ended
             except Exception as exc:
                 if database_unavailable(exc):
                     raise
-                log.exception("array %d: could not record %s", spec.array_id, type(item).__name__)
+                log.exception("array %d: could not record %s", spec.array_id, type(event).__name__)
             self.backlog.popleft()
         return ended
 
@@ -179,16 +204,13 @@ class Recorder:
         A client-driven study's client decides pruning (:meth:`decide`): then the members
         still running await its decisions and the reply is None, for now.
         """
-        restore = []
+        restore: list[tuple[Live, EpochReport, _LiveEpoch]] = []
         decided: list[tuple[set[int], dict[int, int]]] = []
         with self.ctx.sessions() as session:
             try:
                 for worker, report in reports:
                     live = self.state.live[report.array_id]
-                    restore.append((
-                        live, report, live.epochs_done, dict(live.timings), dict(live.checkpoints), set(live.announced),
-                        dict(live.steps), set(live.ended),
-                    ))
+                    restore.append((live, report, _LiveEpoch.of(live)))
                     decided.append(self._write_epoch(session, worker, report, live))
                 self.throughput.write(session)
                 # A study whose last trials these epochs ended completes in the same
@@ -203,11 +225,12 @@ class Recorder:
             except Exception:
                 session.rollback()
                 self.throughput.rolled_back()
-                for live, report, *before in reversed(restore):  # so that a retry writes the same
+                self.notices.rolled_back()
+                for live, report, before in reversed(restore):  # so that a retry writes the same
                     # The mirror ran ahead of the database for these members only.
                     touched = {m.trial_id for m in report.members} | {j.trial_id for j in report.joined} | set(report.released)
                     self.mirrors.mark_stale(live.study_id, [live.optuna_ids[i] for i in touched if i in live.optuna_ids])
-                    live.epochs_done, live.timings, live.checkpoints, live.announced, live.steps, live.ended = before
+                    before.restore(live)
                 raise
         replies: list[EpochReply | None] = []
         for (worker, report), (prune, awaiting) in zip(reports, decided):
@@ -246,7 +269,7 @@ class Recorder:
         mirror = self.mirrors.of_id(session, live.study_id)
         now = utcnow()
         optuna_id = live.optuna_ids
-        where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
+        where: dict[str, Any] = {"tenant": live.tenant, "study_id": live.study_id, "array_id": report.array_id}
         self._joined(session, mirror, live, report, where, now)
         mirror.report(session, [(optuna_id[m.trial_id], m.step, m.value) for m in report.members])
         live.steps.update((m.trial_id, m.step) for m in report.members)
@@ -265,13 +288,16 @@ class Recorder:
             rows.wait_again(session, report.released)  # preempted or paused: Optuna keeps it RUNNING
         # An array's first epoch pays for warming up (allocations, lazy init): its speed
         # would say fusing pays less than it does. (The probe runs after it, warm.)
+        assert worker.spec is not None  # a report comes from a worker that trains an array
         self.throughput.observe(worker.spec.signature, worker.device_type, report, warm=live.epochs_done > 0)
+        if report.warnings:  # modules the fused model runs once per member
+            self.notices.add(session, live.study_id, report.warnings)
         live.epochs_done += 1
         live.timings = add_timings(live.timings, report.timings)
         # Held back to the commit (bulk.add_updates): the transaction's array-epochs update
         # their arrays in one executemany, compiled once (a statement each, with the timings
         # inlined, cost a millisecond apiece in compiling alone).
-        add_updates(session, Array.__table__, "id", [{"id": report.array_id, "epochs_done": live.epochs_done, "timings": live.timings}])
+        add_updates(session, table_of(Array), "id", [{"id": report.array_id, "epochs_done": live.epochs_done, "timings": live.timings}])
         if report.joined or report.released or ended:
             events.record(
                 session, "array.changed", **where, offered=[], joined=[j.trial_id for j in report.joined],
@@ -347,11 +373,10 @@ class Recorder:
         Raises:
             service.Conflict: naming ``step`` when no array waits for this trial's decision at it.
         """
-        for array_id, waiting in self.state.awaiting.items():
-            if trial_id in waiting.steps:
-                break
-        else:
+        found = next(((a, w) for a, w in self.state.awaiting.items() if trial_id in w.steps), None)
+        if found is None:
             raise Conflict("step", f"trial {trial_id} awaits no pruning decision (it is not between epochs)")
+        array_id, waiting = found
         if waiting.steps[trial_id] != step:
             raise Conflict("step", f"trial {trial_id} awaits the decision for step {waiting.steps[trial_id]}, not {step}")
         live = self.state.live[array_id]
@@ -361,7 +386,7 @@ class Recorder:
                 try:
                     mirror.tell(session, live.optuna_ids[trial_id], OptunaState.PRUNED)
                     value = mirror.trial(live.optuna_ids[trial_id]).intermediate_values.get(step)
-                    where = {"tenant": live.tenant, "study_id": live.study_id, "array_id": array_id}
+                    where: dict[str, Any] = {"tenant": live.tenant, "study_id": live.study_id, "array_id": array_id}
                     rows.finish(session, trial_id, TrialState.PRUNED, utcnow(), value=value, event=where)
                     session.commit()
                 except Exception:
@@ -409,6 +434,7 @@ class Recorder:
         live = self.state.live.pop(spec.array_id, None)
         with self.ctx.sessions() as session:
             array = session.get(Array, spec.array_id)
+            assert array is not None, spec.array_id  # its row is written before its worker starts
             try:
                 if isinstance(result, ArrayOutcome):
                     array.state = ArrayState.FAIL if result.error else ArrayState.COMPLETE
@@ -424,11 +450,12 @@ class Recorder:
                 # from their checkpoint (at most _MAX_RESUMES times); the others fail with the error.
                 died = not isinstance(result, ArrayOutcome)
                 # Out of memory: the class's arrays on this device type are capped at half this
-                # size from now on, and the members wait again for the halves.
-                split = self.throughput.split_on_oom(session, worker, array, result)
+                # size from now on, and the members wait again for the halves. A model that fuses
+                # by neither path: its class trains unfused from now on, one member per array.
+                split = self.throughput.split_on_oom(session, worker, array, result) or self._unfuse(session, array, result)
                 died = died or split
-                tenant = live.tenant if live is not None else session.get(Study, array.study_id).tenant
-                where = {"tenant": tenant, "study_id": array.study_id, "array_id": array.id}
+                tenant = live.tenant if live is not None else session.get_one(Study, array.study_id).tenant
+                where: dict[str, Any] = {"tenant": tenant, "study_id": array.study_id, "array_id": array.id}
                 requeued: list[int] = []
                 for trial in rows.running_in(session, array.id):
                     # The worker reported a checkpoint of it (the store is never looked into); the
@@ -449,12 +476,21 @@ class Recorder:
                 session.commit()
             except Exception:
                 session.rollback()
+                self.notices.rolled_back()
                 if live is not None:  # its members were told FAIL in the mirror only
                     self.mirrors.mark_stale(array.study_id, live.optuna_ids.values())
                 else:
                     self.mirrors.drop(array.study_id)
                 raise
         log.info("array %d ended: %s", spec.array_id, array.state.value)
+
+    def _unfuse(self, session: Session, array: Array, result: ArrayOutcome | BaseException) -> bool:
+        """Whether the array ended because its model fuses by neither path (its members wait
+        again, to train unfused); its study is told why, naming the module."""
+        why = self.throughput.unfuse(session, array, result)
+        if why is not None:
+            self.notices.add(session, array.study_id, [f"its model fuses by neither path, so its trials train unfused, one per array: {why}"])
+        return why is not None
 
     def maybe_complete(self, session: Session, study: Study) -> None:
         """End ``study`` (COMPLETE, or FAILED when every trial failed) once all its trials

@@ -20,7 +20,9 @@ from sqlalchemy.orm import Session
 from fusetune.server import events
 from fusetune.server.db import Array, ArrayMember, ArrayState, Study, StudyState, Tenant, Throughput, Trial, TrialState, Worker, utcnow
 from fusetune.server.db.bulk import insert_rows
+from fusetune.server.db.models import table_of
 from fusetune.server.db.revisions import next_revision
+from fusetune.server.errors import NotFound
 
 #: States in which a study's trials are ended, not trained (lifecycle): its running members
 #: leave their arrays at the next epoch boundary and end, its waiting trials end at once.
@@ -39,6 +41,14 @@ _ROUND_STUDIES = (
 def round_studies(session: Session) -> Sequence[Study]:
     """The studies a scheduling round drives: running, or stopping and not settled yet."""
     return session.scalars(_ROUND_STUDIES).all()
+
+
+def study(session: Session, study_id: int) -> Study:
+    """The study ``study_id``; NotFound when it is gone (deleted since the request found it)."""
+    found = session.get(Study, study_id)
+    if found is None:
+        raise NotFound(f"study {study_id} does not exist")
+    return found
 
 
 def hidden_studies(session: Session) -> list[tuple[int, int, str]]:
@@ -88,7 +98,7 @@ def first_failure(session: Session, study_id: int) -> str | None:
     )
 
 
-def unfinished(session: Session) -> Sequence[Row[Any]]:
+def unfinished(session: Session) -> Sequence[Row[int, int, int, str, TrialState, int | None]]:
     """Every waiting or running trial of the running studies, as columns (a round reads them
     all, after every array-epoch that frees a slot: no ORM objects, no JSON to decode)."""
     return session.execute(
@@ -99,7 +109,7 @@ def unfinished(session: Session) -> Sequence[Row[Any]]:
     ).all()
 
 
-def movable(session: Session) -> Sequence[Row[Any]]:
+def movable(session: Session) -> Sequence[Row[int, TrialState, int | None, int]]:
     """The running studies' unfinished trials with their study's epochs (a split's read)."""
     return session.execute(
         select(Trial.id, Trial.state, Trial.array_id, Study.epochs)
@@ -120,7 +130,7 @@ def unfinished_of(session: Session, study_id: int) -> Sequence[Trial]:
     return session.scalars(select(Trial).where(Trial.study_id == study_id, Trial.state.in_(UNFINISHED)).order_by(Trial.number)).all()
 
 
-def unfinished_in_arrays(session: Session, array_ids: Iterable[int]) -> list[tuple[int, int]]:
+def unfinished_in_arrays(session: Session, array_ids: Iterable[int]) -> list[tuple[int, int | None]]:
     """(trial id, array id) of the unfinished members of these arrays."""
     rows = session.execute(select(Trial.id, Trial.array_id).where(Trial.array_id.in_(list(array_ids)), Trial.state.in_(UNFINISHED)))
     return [(r[0], r[1]) for r in rows]
@@ -173,7 +183,7 @@ def end_all(session: Session, ends: Sequence[Mapping[str, Any]], now: Any) -> No
     if not ends:
         return
     next_revision(session)
-    table = Trial.__table__
+    table = table_of(Trial)
     session.connection().execute(
         update(table)
         .where(table.c.id == bindparam("ended_id"))
@@ -206,7 +216,7 @@ def start_array(session: Session, study_id: int, signature: str, worker_id: int 
     array_id = session.execute(
         insert(Array).returning(Array.id), [{"study_id": study_id, "signature": signature, "worker_id": worker_id, "node": node}]
     ).scalar_one()
-    insert_rows(session, ArrayMember.__table__, [{"array_id": array_id, "slot": i, "trial_id": t} for i, t in enumerate(trial_ids)])
+    insert_rows(session, table_of(ArrayMember), [{"array_id": array_id, "slot": i, "trial_id": t} for i, t in enumerate(trial_ids)])
     session.execute(  # the loaded trials are updated too (synchronize_session)
         update(Trial).where(Trial.id.in_(trial_ids)).values(array_id=array_id, state=TrialState.RUNNING, started_at=utcnow())
     )
@@ -282,7 +292,7 @@ def write_throughput(session: Session, observed: Mapping[tuple[str, str, int], t
         if new:
             session.add(Throughput(signature=signature, device_type=device_type, members=members, models_steps_per_s=rate, samples=samples))
             continue
-        rows = Throughput.__table__
+        rows = table_of(Throughput)
         session.connection().execute(
             update(rows)
             .where(rows.c.signature == signature, rows.c.device_type == device_type, rows.c.members == members)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fusetune.scheduler import Placement
 from fusetune.server.db import StudyState, Trial
@@ -74,8 +74,9 @@ class LoopState:
     worker_ids: dict[str, int] = field(default_factory=dict)  # worker name -> its ft_workers id
 
 
-def class_of(trial: Trial) -> str:
-    """The scheduler's fusion key of a trial: its signature, within its study.
+def class_of(trial: Trial | Any) -> str:
+    """The scheduler's fusion key of a trial (an ORM trial, or a row of its columns): its
+    signature, within its study.
 
     An array trains the trials of one study (its epochs, pruner and reports are the study's),
     so equal signatures of different studies are different classes.

@@ -6,27 +6,36 @@ array-epoch reports (an exponential average, ``FUSETUNE_THROUGHPUT_SMOOTHING``),
 ``ft_throughput`` with the epoch's transaction and read back by a later process, so a
 restarted service or a second study of the same shapes sizes its arrays from what was
 measured. The scheduler gets each class's speed-up curve fitted to those points.
+
+A class whose model fuses by neither path (its fused model failed its first step while its
+own model trains, ``ArrayOutcome.unfusible``) gets arrays of one member, trained unfused;
+its study's system attr ``fusetune:unfusible`` keeps that for a restarted service.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from fusetune.scheduler import Scheduler, fit_points
+from fusetune.server import mirror
 from fusetune.server.db import Array, Study
 from fusetune.server.loop import rows
 from fusetune.server.settings import Settings
 from fusetune.workers.pool import WorkerHandle, WorkerPool
 from fusetune.workers.spec import ArrayOutcome, EpochReport, TrainingSpec
 
-__all__ = ["Throughput"]
+__all__ = ["UNFUSIBLE_ATTR", "Throughput"]
 
 log = logging.getLogger(__name__)
+
+#: The Optuna study system attr naming the study's classes that fuse by neither path:
+#: signature -> why (what a restarted service sizes their arrays by).
+UNFUSIBLE_ATTR = "fusetune:unfusible"
 
 
 class Throughput:
@@ -45,6 +54,9 @@ class Throughput:
         self._oom_caps: dict[tuple[str, str], int] = {}
         self._memory_models: dict[str, tuple[int, int]] = {}  # signature -> (base, member) bytes
         self._memory_pending: dict[str, tuple[Any, float]] = {}  # signature -> (its measurement on a worker, since)
+        # Classes whose model fuses by neither path -> why: their arrays train one member, unfused.
+        self._unfusible: dict[str, str] = {}
+        self._recalled: set[int] = set()  # studies whose stored unfusible classes are in _unfusible
 
     # -- speeds ----------------------------------------------------------------------------------
     def load(self, session: Session) -> None:
@@ -117,12 +129,46 @@ class Throughput:
         log.warning("array %d ran out of memory with %d members: retrying in arrays of %d", array.id, running, self._oom_caps[key])
         return True
 
+    # -- fusion ----------------------------------------------------------------------------------
+    def unfusible(self, cls: str) -> str | None:
+        """Why the class's model fuses by neither path (its arrays train one member, unfused);
+        None: it fuses, as far as is known."""
+        return self._unfusible.get(cls)
+
+    def recall_unfusible(self, study: Study, stored: Callable[[], Mapping[str, Any]]) -> None:
+        """The classes of ``study`` found unfusible before, also by an earlier process: from its
+        system attrs, ``stored()``, read once per study and process."""
+        if study.id in self._recalled:
+            return
+        self._recalled.add(study.id)
+        found = stored().get(UNFUSIBLE_ATTR)
+        for signature, why in (found.items() if isinstance(found, dict) else ()):
+            self._unfusible.setdefault(f"{signature}@{study.id}", str(why))
+
+    def unfuse(self, session: Session, array: Array, result: ArrayOutcome | BaseException) -> str | None:
+        """An array whose fused model could not run while its members' own model trains: its
+        class trains unfused from now on, in arrays of one, and its study's attr says so (in
+        the caller's transaction). Why (naming the module), or None: it fused."""
+        if not isinstance(result, ArrayOutcome) or result.unfusible is None:
+            return None
+        self._unfusible[f"{array.signature}@{array.study_id}"] = result.unfusible
+        study = session.get(Study, array.study_id)
+        if study is not None:
+            classes = (cls.split("@", 1) for cls in self._unfusible)
+            stored = {signature: self._unfusible[f"{signature}@{of}"] for signature, of in classes if of == str(study.id)}
+            mirror.set_study_system_attr(session, study.optuna_study_id, UNFUSIBLE_ATTR, stored)
+        log.warning("array %d: its model fuses by neither path: its class trains unfused (%s)", array.id, result.unfusible)
+        return result.unfusible
+
     def size_cap(
         self, session: Session, cls: str, worker: WorkerHandle, trial_id: int, waiting: Mapping[int, tuple[Any, Study]],
     ) -> int:
-        """The most members an array of ``cls`` may have on ``worker``: half of the size that ran out
-        of memory there, and with a memory budget, what the fusion engine's memory model fits in it.
-        0 while that model is being measured on a worker (:meth:`memory_model`): start none yet."""
+        """The most members an array of ``cls`` may have on ``worker``: one for a model that fuses by
+        neither path; half of the size that ran out of memory there, and with a memory budget,
+        what the fusion engine's memory model fits in it. 0 while that model is being measured
+        on a worker (:meth:`memory_model`): start none yet."""
+        if cls in self._unfusible:
+            return 1  # one member, unfused: it fits if anything does
         cap = self._oom_caps.get((cls, worker.device_type), self.settings.max_array_size)
         budget = self.settings.worker_memory_bytes
         if budget is None:

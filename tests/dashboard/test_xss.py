@@ -77,6 +77,8 @@ FAILED_STUDY: dict[str, Any] = {
 PAYLOAD_NAME = IMG + SCRIPT
 FAILED_NAME = SVG + LINK
 STUDY_ATTRS = {IMG: SCRIPT, RICH: {"nested": [SVG, JS_URL]}}
+#: A study warning names a module by its path, which an nn.ModuleDict's key can make anything.
+WARNING = f"submodule 'blocks.{IMG}' (Gate) runs once per member, exact but without fusion's speed-up ({SCRIPT})"
 TRIAL_ATTRS = {SVG: IMG, "link": JS_URL, "rich": RICH}
 
 #: Installed before the page's scripts: the execution counter, the CSP violation log, and a
@@ -216,6 +218,11 @@ def payload_studies(service: Service) -> tuple[int, int]:
     with engine.begin() as conn:
         for study_id, name in ((study, PAYLOAD_NAME), (failed, FAILED_NAME)):
             conn.execute(sa.text("UPDATE ft_studies SET name = :name WHERE id = :id"), {"name": name, "id": study_id})
+        optuna_id = conn.execute(sa.text("SELECT optuna_study_id FROM ft_studies WHERE id = :id"), {"id": failed}).scalar_one()
+        conn.execute(
+            sa.text("INSERT INTO study_system_attributes (study_id, key, value_json) VALUES (:study, 'fusetune:warnings', :value)"),
+            {"study": optuna_id, "value": json.dumps([WARNING])},
+        )
     engine.dispose()
     assert client.study(study)["name"] == PAYLOAD_NAME
     return study, failed
@@ -351,6 +358,8 @@ def test_hostile_strings_render_as_text_on_every_view(service: Service, page: An
     assert page.text_content("[data-testid=study-name]") == FAILED_NAME
     error = service.client.study(failed)["error"]
     assert SVG in error and page.text_content("[data-testid=study-error]") == error
+    assert service.client.study(failed)["warnings"] == [WARNING]
+    assert page.text_content("[data-testid=study-warnings] li") == WARNING
     page.wait_for_selector("[data-testid=stats]")
     show_tips("failed-progress")
     page.click("[data-tab=params]")
