@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from fusetune.fusion import import_torch_dynamo
-from fusetune.server.api import health_router, router, tenants_router
+from fusetune.server.api import health_router, packages_router, router, tenants_router
 from fusetune.server.api.errors import answer_refusals
 from fusetune.server.api.http import install as install_http
 from fusetune.server.dashboard import mount_dashboard
@@ -70,6 +70,7 @@ def create_app(settings: Settings | None = None, *, schedule: bool = True) -> Fa
     app.state.read_sessions = get_read_sessionmaker(settings.database_url)
     app.include_router(router)
     app.include_router(tenants_router)
+    app.include_router(packages_router)
     app.include_router(health_router)
     mount_dashboard(app)  # the web dashboard at /, and the routes it reads
     install_http(app)  # body limits, JSON-only writes, 503s, 405's Allow, events, /metrics, OpenAPI errors

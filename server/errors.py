@@ -2,13 +2,13 @@
 
 The service layer, the scheduling loop and the tenants' functions raise these; the API maps
 each to one answer at its edge (``server/api/errors.py``): NotFound 404, Conflict 409,
-Invalid 422, Unavailable 503. This module imports nothing of the server, so every module
+Invalid 422, Unavailable 503, Forbidden 403, TooLarge 413. This module imports nothing of the server, so every module
 may raise them without an import cycle.
 """
 
 from __future__ import annotations
 
-__all__ = ["Conflict", "Invalid", "NotFound", "Unavailable"]
+__all__ = ["Conflict", "Forbidden", "Invalid", "NotFound", "TooLarge", "Unavailable"]
 
 
 class NotFound(LookupError):
@@ -34,9 +34,30 @@ class Unavailable(RuntimeError):
 
 class Invalid(ValueError):
     """Bad input that only the service can tell (it takes the database or the settings): a 422
-    whose ``loc`` is ``[where, field]``."""
+    whose ``loc`` is ``[where, field]``, or ``[where, *field]`` for a tuple (a field inside a
+    field: ``("fusetune.json", "workload", "metrics", 0)``)."""
 
-    def __init__(self, field: str, message: str, *, where: str = "body") -> None:
+    def __init__(self, field: str | tuple[str | int, ...], message: str, *, where: str = "body") -> None:
         super().__init__(message)
         self.field = field
         self.where = where
+
+    @property
+    def loc(self) -> list[str | int]:
+        return [self.where, *self.field] if isinstance(self.field, tuple) else [self.where, self.field]
+
+
+class Forbidden(PermissionError):
+    """The caller's tenant lacks a permission the admin grants (a 403 naming ``permission``)."""
+
+    def __init__(self, permission: str, message: str) -> None:
+        super().__init__(message)
+        self.permission = permission
+
+
+class TooLarge(ValueError):
+    """Input over a limit the operator sets (a 413 naming ``setting``, e.g. ``FUSETUNE_PACKAGE_MAX_FILES``)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting

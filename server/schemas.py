@@ -5,26 +5,34 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import optuna
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
-    StringConstraints,
-    WithJsonSchema,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic.json_schema import JsonDict
 
 from fusetune.server.db import ArrayState, StudyState, TrialState
-from fusetune.server.distributions import SearchSpaceEntry, json_integer
+from fusetune.server.distributions import SearchSpaceEntry
 from fusetune.server.optuna_specs import SpecError, check_for_study, default_limits, sampler_class
 from fusetune.server.specs import LRSchedulerSpec, OptimizerSpec, PrunerSpec, SamplerSpec, field_error, json_enum
+
+# The tenants' and tokens' models live in tenant_schemas, re-exported here (their routes, the CLI, tests).
+from fusetune.server.tenant_schemas import (  # noqa: F401
+    TenantCreate,
+    TenantCreated,
+    TenantOut,
+    TenantUpdate,
+    TokenCreate,
+    TokenCreated,
+    TokenOut,
+)
+from fusetune.server.wire import NO_NUL_KEYS, JsonInt, NoNul, NoNulKeys, OptionalJsonInt  # noqa: F401
 from fusetune.workers.optimization import (
     OptionError,
     lr_scheduler_name,
@@ -33,27 +41,11 @@ from fusetune.workers.optimization import (
 from fusetune.workers.spec import TrainingSpec
 from fusetune.workers.workloads import UnknownWorkloadError, Workload, WorkloadImportsDisabled, available_workloads, get_workload
 
-#: Text a request stores (names, keys, labels): anything but NUL, which PostgreSQL's text refuses.
-NoNul = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$")]
-#: The OpenAPI words for an object whose keys are NoNul (pydantic would say patternProperties).
-NO_NUL_KEYS: JsonDict = {"propertyNames": {"pattern": r"^[^\x00]*$"}}
-
-
-
-def _no_nul_keys(value: Any) -> Any:
-    for key in value or ():
-        if "\x00" in key:
-            raise ValueError(f"key {key!r} contains NUL")
-    return value
-
-
-#: An object whose keys are stored as text (Optuna's param and attr names).
-NoNulKeys = AfterValidator(_no_nul_keys)
-
-#: An integer field of a request body (its model is strict: no strings or booleans for numbers).
-JsonInt = Annotated[int, BeforeValidator(json_integer)]
-OptionalJsonInt = Annotated[int | None, BeforeValidator(json_integer)]  # (constraints then apply to the int)
-
+#: A code package's digest: the SHA-256 of its zip's bytes, in lower-case hex (``server/packages.py``).
+DIGEST_PATTERN = r"^[0-9a-f]{64}$"
+#: Study names the service keeps for itself: a study's name is also its folder in the artifact
+#: store, and the code packages live under ``packages/`` there.
+RESERVED_STUDY_NAMES = frozenset({"packages"})
 
 #: The Optuna study system attr that says why a study FAILED (``StudyOut.error``).
 FAILURE_ATTR = "fusetune:failure"
@@ -80,6 +72,37 @@ def parse_search_space(
     return out
 
 
+def training_choice_error(
+    space: Mapping[str, optuna.distributions.BaseDistribution],
+) -> tuple[tuple[str, ...], str, Any] | None:
+    """Where a search space's ``optimizer`` or ``lr_scheduler`` names what cannot be built: the
+    param's path, the message and the choice; None when both name fused torch classes."""
+    for param, check in (("optimizer", optimizer_name), ("lr_scheduler", lr_scheduler_name)):
+        if param not in space:
+            continue
+        choices = getattr(space[param], "choices", None)
+        if choices is None:
+            return (param,), f"{param} must be a CategoricalDistribution", None
+        for choice in choices:
+            if choice is None and param == "lr_scheduler":
+                continue  # no scheduler
+            try:
+                check(choice)
+            except OptionError as exc:
+                return (param,), str(exc), choice
+    return None
+
+
+class Objectives(Protocol):
+    """What a study's objectives are checked against: a registered workload, or the metadata
+    a code package's manifest states (``server/packages.WorkloadInfo``)."""
+
+    @property
+    def metric_name(self) -> str: ...
+
+    def metric_named(self, name: str) -> Any: ...
+
+
 def _metric_names() -> list[str]:
     """Every metric a registered workload declares (a study's must be its own workload's)."""
     names = set()
@@ -101,9 +124,18 @@ class StudyCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    # Before workload: its check reads it.
+    package: str | None = Field(
+        None, pattern=DIGEST_PATTERN,
+        description="A code package the tenant uploaded (PUT /api/v1/packages/{digest}), by its digest: the study "
+        "trains the workload the package's manifest states. `workload` is then the manifest's workload name (for "
+        "display; it must not name a registered workload), `search_space` defaults to the manifest's, and the "
+        "tenant needs the admin's `code_upload` grant (403 otherwise).",
+    )
     workload: str = Field(
         examples=["digits-mlp"],
-        description="A registered workload (or, where the server allows imports, a `package.module:attr` path).",
+        description="A registered workload (or, where the server allows imports, a `package.module:attr` path); "
+        "with `package`, the name of the package's workload.",
         json_schema_extra=json_enum(available_workloads()),
     )
     n_trials: JsonInt = Field(gt=0, le=100_000)
@@ -178,13 +210,25 @@ class StudyCreate(BaseModel):
 
     @field_validator("workload")
     @classmethod
-    def _workload_exists(cls, name: str) -> str:
+    def _workload_exists(cls, name: str, info: ValidationInfo) -> str:
+        packaged = info.data.get("package") is not None
         try:
             get_workload(name, allow_imports=False)  # never imports: the service decides on paths
         except WorkloadImportsDisabled:
-            pass
+            return name
         except UnknownWorkloadError as exc:
+            if packaged:
+                return name  # the service checks it is the package's workload
             raise ValueError(str(exc)) from exc
+        if packaged:
+            raise ValueError(f"{name!r} is a registered workload of the service; a package's workload needs a name of its own")
+        return name
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str | None) -> str | None:
+        if name is not None and name.lower() in RESERVED_STUDY_NAMES:
+            raise ValueError(f"the study name {name!r} is the service's own (its code packages' folder); choose another")
         return name
 
     @model_validator(mode="after")
@@ -228,20 +272,9 @@ class StudyCreate(BaseModel):
                 self.sampler = SamplerSpec(name="NSGAIISampler")
                 self.model_fields_set.discard("sampler")  # still the default: the multi-objective one
         if self.search_space:
-            space = parse_search_space(self.search_space)
-            for param, check in (("optimizer", optimizer_name), ("lr_scheduler", lr_scheduler_name)):
-                if param not in space:
-                    continue
-                choices = getattr(space[param], "choices", None)
-                if choices is None:
-                    raise field_error(title, ("search_space", param), f"{param} must be a CategoricalDistribution", None)
-                for choice in choices:
-                    if choice is None and param == "lr_scheduler":
-                        continue  # no scheduler
-                    try:
-                        check(choice)
-                    except OptionError as exc:
-                        raise field_error(title, ("search_space", param), str(exc), choice) from exc
+            wrong = training_choice_error(parse_search_space(self.search_space))
+            if wrong is not None:
+                raise field_error(title, ("search_space", *wrong[0]), wrong[1], wrong[2])
         return self
 
     @model_validator(mode="after")
@@ -273,7 +306,7 @@ class StudyCreate(BaseModel):
             metrics=tuple(self.metrics or ()),
         )
 
-    def objective_directions(self, workload: Workload) -> list[str]:
+    def objective_directions(self, workload: Objectives) -> list[str]:
         """One direction per objective: the request's, else each metric's own.
 
         Raises:
@@ -336,6 +369,10 @@ class StudyOut(BaseModel):
     driver: Literal["service", "client"] = "service"
     max_array_size: int | None
     max_concurrent_trials: int | None
+    package: str | None = Field(None, description="The digest of the code package the study runs (null: a registered workload).")
+    package_url: str | None = Field(
+        None, description="Where the tenant downloads that package: GET /api/v1/packages/{digest} (null without one)."
+    )
     state: StudyState = Field(
         description="RUNNING; PAUSED (POST .../resume runs it again); COMPLETE (PATCH n_trials may reopen it); "
         "CANCELLED; FAILED (every trial failed, or its workload cannot be loaded: see `error`); DELETING "
@@ -458,95 +495,6 @@ class AttrValue(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     value: Any
-
-
-_WEIGHT = "Shares of the cluster (2.0 = twice a weight-1 tenant's)."
-_MAX_RUNNING = "Most of its studies RUNNING at once; null: no limit."
-_MAX_TRIALS = "Most trials (n_trials) one of its studies may have; null: no limit."
-
-
-class TenantCreate(BaseModel):
-    """A new tenant (admin only); it gets its first token in the answer."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-                      description="Letters, digits, '.', '_' and '-', starting with a letter or digit.")
-    weight: float = Field(1.0, gt=0, le=1e6, description=_WEIGHT)
-    max_running_studies: OptionalJsonInt = Field(None, ge=0, le=1_000_000, description=_MAX_RUNNING)
-    max_trials_per_study: OptionalJsonInt = Field(None, ge=1, le=100_000, description=_MAX_TRIALS)
-    token_label: NoNul | None = Field(None, max_length=255, description="A note on the first token (who holds it).")
-
-
-def _without_default(schema: JsonDict) -> None:
-    """A field's schema without its ``default`` (a field left out keeps the stored value)."""
-    schema.pop("default", None)
-
-
-class TenantUpdate(BaseModel):
-    """Changes to a tenant's weight or quotas (admin only); fields left out stay as they are."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"minProperties": 1})
-
-    # Not nullable in the document: null is refused (leave it out to keep the weight).
-    weight: Annotated[float | None, WithJsonSchema({"type": "number", "exclusiveMinimum": 0, "maximum": 1e6})] = Field(
-        None, gt=0, le=1e6, description=_WEIGHT, json_schema_extra=_without_default
-    )
-    max_running_studies: OptionalJsonInt = Field(None, ge=0, le=1_000_000, description=_MAX_RUNNING)
-    max_trials_per_study: OptionalJsonInt = Field(None, ge=1, le=100_000, description=_MAX_TRIALS)
-
-    @field_validator("weight")
-    @classmethod
-    def _weight_not_null(cls, weight: float | None) -> float:
-        if weight is None:
-            raise ValueError("weight cannot be null; leave it out to keep the current weight")
-        return weight
-
-    @model_validator(mode="after")
-    def _changes_something(self) -> TenantUpdate:
-        if not self.model_fields_set:
-            raise ValueError("name at least one of weight, max_running_studies, max_trials_per_study")
-        return self
-
-    def changes(self) -> dict[str, Any]:
-        """The fields the request set (a quota set to null: no limit)."""
-        return {field: getattr(self, field) for field in self.model_fields_set}
-
-
-class TenantOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    name: str
-    weight: float
-    max_running_studies: int | None = None
-    max_trials_per_study: int | None = None
-
-
-class TokenCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    label: NoNul | None = Field(None, max_length=255, description="A note on the token (who holds it).")
-
-
-class TokenOut(BaseModel):
-    """A token's record; the token itself is shown only once, when it is created."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    tenant: str
-    label: str | None
-    created_at: datetime
-    revoked_at: datetime | None
-
-
-class TokenCreated(TokenOut):
-    token: str = Field(description="The bearer token. Shown this once: fusetune keeps only its hash.")
-
-
-class TenantCreated(BaseModel):
-    tenant: TenantOut
-    token: TokenCreated
 
 
 class Health(BaseModel):

@@ -7,6 +7,7 @@ the transactions over fusetune's tables and Optuna's storage.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,17 +19,18 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from fusetune.server import reads
+from fusetune.server import packages, reads
 from fusetune.server.db import Array, ArrayState, Study, StudyState, Tenant, Trial, TrialState, get_optuna_storage
 from fusetune.server.errors import Conflict, Invalid, NotFound, Unavailable
 from fusetune.server.mirror import CreatedStudy, create_study_rows
-from fusetune.server.optuna_specs import SpecError, build_for_study, default_limits
+from fusetune.server.optuna_specs import SpecError, build_for_study, check_for_study, default_limits
 from fusetune.server.pagination import Page, PageParams
 from fusetune.server.quotas import check_running_quota, check_trials_quota, lock_tenant
 from fusetune.server.schemas import (
     FAILURE_ATTR,
     WARNINGS_ATTR,
     ArrayOut,
+    Objectives,
     PruningDecision,
     StudyCreate,
     StudyOut,
@@ -36,6 +38,7 @@ from fusetune.server.schemas import (
     TrialEnqueue,
     TrialOut,
 )
+from fusetune.server.settings import Settings, get_settings
 from fusetune.workers.spec import TrainingSpec
 from fusetune.workers.workloads import UnknownWorkloadError, available_workloads, get_workload
 
@@ -61,25 +64,39 @@ def _tenant_for_study(session: Session, request: StudyCreate, as_tenant: str | N
     return tenant
 
 
+#: What a study's name may not hold (its pattern: letters, digits, '.', '_' and '-').
+_NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def default_study_name(workload: str) -> str:
+    """A new study's name when its request gives none: its workload's, made to fit the name
+    pattern (``mywl:WL`` -> ``mywl-WL``), and 8 hex digits."""
+    stem = _NOT_IN_NAMES.sub("-", workload).strip("-._")[:200] or "study"
+    return f"{stem}-{uuid.uuid4().hex[:8]}"
+
+
 def create_study(
     session: Session, url: str, request: StudyCreate, *, as_tenant: str | None = None,
-    allow_workload_imports: bool = False, created: Callable[[int, CreatedStudy], None] | None = None,
+    allow_workload_imports: bool = False, settings: Settings | None = None,
+    created: Callable[[int, CreatedStudy], None] | None = None,
 ) -> StudyOut:
     """Create the Optuna study and fusetune's record of it, or neither.
 
     The study belongs to ``request.tenant``, else to ``as_tenant``, else to ``default``; the
     tenant must exist, and its quotas hold. A workload given as a module path is imported only
-    with ``allow_workload_imports`` (the server's ``FUSETUNE_ALLOW_WORKLOAD_IMPORTS``).
+    with ``allow_workload_imports`` (the server's ``FUSETUNE_ALLOW_WORKLOAD_IMPORTS``); one
+    from a code package is never imported here (``_package_workload``). ``settings`` (the
+    server's; read from the environment when omitted) locate the packages' artifact store.
     ``created`` is called once the study is committed, before its answer is built, with the
     study's id and its Optuna rows (the route hands them to the scheduling loop, which wakes:
     the asks start while the answer is read, and the loop need not read back what was written).
     """
-    try:
-        workload = get_workload(request.workload, allow_imports=allow_workload_imports)
-    except UnknownWorkloadError as exc:
-        raise Invalid("workload", str(exc)) from exc
+    if request.package is not None:
+        workload, request = _package_workload(session, settings or get_settings(), request, as_tenant)
+    else:
+        workload = _registered_workload(request.workload, allow_workload_imports)
     tenant = _tenant_for_study(session, request, as_tenant)
-    name = request.name or f"{request.workload}-{uuid.uuid4().hex[:8]}"
+    name = request.name or default_study_name(request.workload)
     if session.scalar(select(Study.id).where(Study.name == name)) is not None:
         raise Conflict("name", f"a study named {name!r} already exists")
     if reads.optuna_study_named(session, name) is not None:
@@ -120,6 +137,7 @@ def create_study(
         max_array_size=request.max_array_size,
         max_concurrent_trials=request.max_concurrent_trials,
         driver=request.driver,
+        package=request.package,
         optuna_study_id=optuna_study_id,
     )
     session.add(study)
@@ -133,6 +151,43 @@ def create_study(
     # From what was written, not read back: the loop is asking the first trials by now, and
     # a read would take its time from theirs (the answer is the study as it was created).
     return _finish_out(reads.new_study_out(study, optuna_directions, attrs), study)
+
+
+def _registered_workload(name: str, allow_imports: bool) -> Objectives:
+    try:
+        return get_workload(name, allow_imports=allow_imports)
+    except UnknownWorkloadError as exc:
+        raise Invalid("workload", str(exc)) from exc
+
+
+def _package_workload(
+    session: Session, settings: Settings, request: StudyCreate, as_tenant: str | None
+) -> tuple[Objectives, StudyCreate]:
+    """A package study's workload, as its manifest states it (nothing is imported), and the
+    request as the study keeps it: the manifest's search space and first metric where the
+    request names none. The tenant holds ``code_upload`` (Forbidden) and uploaded the package."""
+    assert request.package is not None
+    found = packages.for_study(session, settings, request.package, request.tenant or as_tenant or "default", as_tenant)
+    info = found.workload
+    if request.workload != info.name:
+        raise Invalid("workload", f"package {request.package} holds the workload {info.name!r}, not {request.workload!r}")
+    for i, metric in enumerate(request.metrics or ()):
+        try:
+            info.metric_named(metric)
+        except KeyError as exc:
+            raise Invalid(("metrics", i), str(exc.args[0])) from exc
+    update: dict[str, Any] = {}
+    if request.metrics is None:
+        update["metrics"] = [info.metric_name]
+    if request.search_space is None:
+        update["search_space"] = dict(found.search_space)
+        space = found.distributions()
+        objectives = max(1, len(request.directions or ()))
+        try:  # the sampler's caps that depend on the space, as the schema checks a request's own
+            check_for_study(request.sampler.name, request.sampler.kwargs, space, objectives, default_limits())
+        except SpecError as exc:
+            raise Invalid(exc.loc, f"with the package's search space: {exc}") from exc
+    return info, request.model_copy(update=update)
 
 
 def _optuna_system_attrs(request: StudyCreate) -> dict[str, Any]:
@@ -199,6 +254,8 @@ def _finish_out(out: StudyOut, study: Study) -> StudyOut:
     """A study's failure and warnings (its Optuna system attrs), objectives and training
     settings (its configuration) on its ``StudyOut``."""
     out.error = out.system_attrs.get(FAILURE_ATTR) if study.state == StudyState.FAILED else None
+    out.package = study.package
+    out.package_url = f"/api/v1/packages/{study.package}" if study.package else None
     warnings = out.system_attrs.get(WARNINGS_ATTR)
     out.warnings = [str(w) for w in warnings] if isinstance(warnings, list) else []
     _training_out(out, study, study.config.training)

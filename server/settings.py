@@ -191,6 +191,23 @@ class Settings(BaseSettings):
         ge=1,
         description="Largest request body accepted, in bytes (chunked bodies included); larger ones get 413.",
     )
+    package_max_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1,
+        description="Largest code package (PUT /api/v1/packages/{digest}, a zip) accepted, in bytes; larger ones "
+        "get 413 naming this setting. The package route has this limit instead of FUSETUNE_MAX_BODY_BYTES.",
+    )
+    package_max_files: int = Field(
+        10_000,
+        ge=1,
+        description="Most entries a code package's zip may hold; more is a 413 naming this setting.",
+    )
+    package_max_unpacked_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1,
+        description="Most bytes a code package's files may take unpacked (what workers unpack: a zip bomb "
+        "is refused before any of it is written); more is a 413 naming this setting.",
+    )
     metrics_token: SecretStr | None = Field(
         None,
         description="Bearer token that GET /metrics requires (Prometheus' `authorization` credentials); "

@@ -1,6 +1,7 @@
 """The service layer of tenants and their tokens, independent of HTTP.
 
-Creating tenants and changing their weights and quotas is the admin's (the routes check);
+Creating tenants and changing their weights, quotas and ``code_upload`` (whether the tenant may
+upload code packages, ``server/packages.py``) is the admin's (the routes check);
 a tenant's tokens are the admin's and the tenant's own. Functions that touch one tenant's
 tokens take ``as_tenant`` like those in :mod:`fusetune.server.service`: another tenant's are
 NotFound, as if they did not exist.
@@ -47,6 +48,7 @@ def create_tenant(session: Session, request: TenantCreate) -> TenantCreated:
         weight=request.weight,
         max_running_studies=request.max_running_studies,
         max_trials_per_study=request.max_trials_per_study,
+        code_upload=request.code_upload,
     )
     session.add(tenant)
     try:
@@ -59,7 +61,7 @@ def create_tenant(session: Session, request: TenantCreate) -> TenantCreated:
 
 
 def update_tenant(session: Session, name: str, update: TenantUpdate) -> TenantOut:
-    """Change a tenant's weight or quotas; the scheduler uses the weight from its next round.
+    """Change a tenant's weight, quotas or ``code_upload``; the scheduler uses the weight from its next round.
 
     A quota may not be set below what the tenant runs now: Conflict naming the quota.
     """

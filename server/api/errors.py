@@ -12,7 +12,8 @@
 * :func:`method_not_allowed`: a 405's ``Allow`` lists every method of the path, not only
   those of the first route that matched it.
 * :func:`answer_refusals`: the one mapping of the service's refusals (``server/errors.py``)
-  to HTTP: NotFound 404, Conflict 409, Invalid 422 (``loc`` names the field), Unavailable 503.
+  to HTTP: NotFound 404, Conflict 409, Invalid 422 (``loc`` names the field), Unavailable 503,
+  Forbidden 403 and TooLarge 413 (their messages name the permission or the setting).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import compile_path
 
-from fusetune.server.errors import Conflict, Invalid, NotFound, Unavailable
+from fusetune.server.errors import Conflict, Forbidden, Invalid, NotFound, TooLarge, Unavailable
 from fusetune.server.params import DECIMAL
 
 #: A route's documented answers by status, as FastAPI's ``responses`` takes them.
@@ -74,6 +75,8 @@ UNAUTHORIZED: Answers = {
     )
 }
 FORBIDDEN: Answers = {403: _error("Only the admin may do this.")}
+#: A tenant without the admin's grant of code upload (``code_upload``), on the routes of code.
+CODE_FORBIDDEN: Answers = {403: _error("The tenant may not upload or run code: the admin grants `code_upload`.")}
 NOT_FOUND: Answers = {404: _error("No such resource, or another tenant's.")}
 CONFLICT: Answers = {409: _error("The request clashes with the state of the service; `loc` names the field.", FieldErrors)}
 MALFORMED: Answers = {400: _error("The body cannot be read (not UTF-8, a broken chunked encoding).")}
@@ -212,8 +215,17 @@ def answer_refusals(app: FastAPI) -> None:
 
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Invalid)
-        detail = [{"loc": [exc.where, exc.field], "msg": str(exc), "type": "value_error"}]
+        detail = [{"loc": exc.loc, "msg": str(exc), "type": "value_error"}]
         return JSONResponse(status_code=422, content={"detail": detail})
 
-    for refusal, answer in ((NotFound, not_found), (Conflict, conflict), (Unavailable, unavailable), (Invalid, invalid)):
+    async def forbidden(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=403, content={"detail": str(exc)})
+
+    async def too_large(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=413, content={"detail": str(exc)})
+
+    for refusal, answer in (
+        (NotFound, not_found), (Conflict, conflict), (Unavailable, unavailable), (Invalid, invalid),
+        (Forbidden, forbidden), (TooLarge, too_large),
+    ):
         app.add_exception_handler(refusal, answer)

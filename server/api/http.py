@@ -1,6 +1,7 @@
 """The HTTP rules every route shares, installed on the app by :func:`install`.
 
-* request bodies: at most ``FUSETUNE_MAX_BODY_BYTES`` (413), JSON on write routes (415)
+* request bodies: at most ``FUSETUNE_MAX_BODY_BYTES`` (413), JSON on write routes (415); a code
+  package's upload a zip of at most ``FUSETUNE_PACKAGE_MAX_BYTES``
   (:mod:`fusetune.server.api.limits`);
 * a database that cannot be reached is a 503 naming the reason, on every route, never a 500, and
   so is a connection pool that stayed busy for its whole timeout (overload; with Retry-After);
@@ -49,7 +50,7 @@ def install(app: FastAPI) -> None:
     app.state.metrics = Metrics(app)
     app.state.event_streams = events.StreamSlots(settings.events_max_streams_per_tenant)
     # The last middleware added runs first: every request is timed, refused ones included.
-    app.add_middleware(RequestBodyLimits, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestBodyLimits, max_bytes=settings.max_body_bytes, package_max_bytes=settings.package_max_bytes)
     app.add_middleware(RequestMetrics, fastapi=app)
     app.include_router(events.router)
     app.include_router(ops.router)

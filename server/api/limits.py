@@ -1,5 +1,10 @@
 """What a request body may be: at most ``FUSETUNE_MAX_BODY_BYTES``, and JSON on write routes.
 
+The one exception is the upload of a code package (``PUT /api/v1/packages/{digest}``): a zip
+(``Content-Type: application/zip``, 415 otherwise) of at most ``FUSETUNE_PACKAGE_MAX_BYTES``,
+which is not read here but counted as the route reads it, after it has authenticated the
+caller (413 at the first byte over the limit, or at once from its ``Content-Length``).
+
 * A body over the limit is a 413, whether its ``Content-Length`` says so (answered before
   anything is read) or it is sent in chunks (counted as they arrive; the request stops at
   the first byte over the limit). A body under it is read here and handed on unchanged.
@@ -11,11 +16,17 @@
 
 from __future__ import annotations
 
+import re
+
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+#: The upload of a code package, and what it takes.
+PACKAGE_UPLOAD = re.compile(r"^/api/v1/packages/[^/]+/?$")
+ZIP = "application/zip"
 
 
 def is_json(content_type: str) -> bool:
@@ -23,12 +34,17 @@ def is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-class RequestBodyLimits:
-    """ASGI middleware enforcing the body limit (413) and JSON-only writes (415)."""
+def _package_too_large(max_bytes: int) -> str:
+    return f"the package is larger than {max_bytes} bytes (FUSETUNE_PACKAGE_MAX_BYTES)"
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+class RequestBodyLimits:
+    """ASGI middleware enforcing the body limits (413) and JSON-only writes (415)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, package_max_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.package_max_bytes = package_max_bytes if package_max_bytes is not None else max_bytes
 
     def _too_large(self) -> JSONResponse:
         return JSONResponse(
@@ -38,6 +54,9 @@ class RequestBodyLimits:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if scope["method"] == "PUT" and PACKAGE_UPLOAD.match(scope["path"]):
+            await self._package(scope, receive, send)
             return
         headers = Headers(scope=scope)
         length = headers.get("content-length")
@@ -87,3 +106,35 @@ class RequestBodyLimits:
             return await receive()  # http.disconnect, when it comes
 
         await self.app(scope, replay, send)
+
+    async def _package(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A package's upload: a zip within ``FUSETUNE_PACKAGE_MAX_BYTES``, counted as the route reads it."""
+        headers = Headers(scope=scope)
+        limit = self.package_max_bytes
+        length = headers.get("content-length")
+        if length is not None and "chunked" not in headers.get("transfer-encoding", "").lower():
+            if not length.strip().isdigit():
+                await JSONResponse({"detail": "Content-Length is not a number"}, status_code=400)(scope, receive, send)
+                return
+            if int(length) > limit:
+                await JSONResponse({"detail": _package_too_large(limit)}, status_code=413)(scope, receive, send)
+                return
+        content_type = headers.get("content-type")
+        if content_type is None or content_type.split(";", 1)[0].strip().lower() != ZIP:
+            got = f"Content-Type {content_type!r}" if content_type is not None else "a body with no Content-Type"
+            await JSONResponse(
+                {"detail": f"a package is a zip (Content-Type: {ZIP}), not {got}"}, status_code=415
+            )(scope, receive, send)
+            return
+        size = 0
+
+        async def counted() -> Message:
+            nonlocal size
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit:  # raised in the route's read of the body: its answer is the 413
+                    raise HTTPException(413, _package_too_large(limit))
+            return message
+
+        await self.app(scope, counted, send)

@@ -47,6 +47,10 @@ TARGETS: dict[str, list[tuple[str, str, str, str]]] = {
         ("CreateToken", "post", f"{_TENANT}/tokens", "path.name"),
     ],
     "token": [("RevokeToken", "delete", "/api/v1/tokens/{token_id}", "path.token_id")],
+    "package": [
+        ("HasPackage", "head", "/api/v1/packages/{digest}", "path.digest"),
+        ("DownloadPackage", "get", "/api/v1/packages/{digest}", "path.digest"),
+    ],
 }
 
 

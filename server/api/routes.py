@@ -18,7 +18,7 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from fusetune.server import service
 from fusetune.server.api.deps import LoopDep, PrincipalDep, SessionDep, SessionRoute, SettingsDep, UrlDep, authenticate
-from fusetune.server.api.errors import CONFLICT, MAX_ID, UNAVAILABLE, StudyId, TrialId
+from fusetune.server.api.errors import CODE_FORBIDDEN, CONFLICT, MAX_ID, UNAVAILABLE, StudyId, TrialId
 from fusetune.server.api.links import answers, links
 from fusetune.server.curves import MIN_POINTS
 from fusetune.server.db import ArrayState, StudyState, TrialState
@@ -49,7 +49,7 @@ TRIAL_LINKS = {"links": links(trial="$response.body#/id")}
 
 @router.post(
     "/studies", status_code=status.HTTP_201_CREATED, response_model=StudyOut, tags=["studies"],
-    responses=answers(CONFLICT, {201: STUDY_LINKS}),
+    responses=answers(CONFLICT, CODE_FORBIDDEN, {201: STUDY_LINKS}),
 )
 def create_study(
     loop: LoopDep,
@@ -59,10 +59,12 @@ def create_study(
     url: UrlDep,
     body: StudyCreate,
 ) -> StudyOut:
-    """Start a tuning study; its trials are asked, fused into arrays and trained in the background."""
+    """Start a tuning study; its trials are asked, fused into arrays and trained in the background.
+
+    With `package`, the tenant's uploaded code package: 403 unless the admin granted the tenant `code_upload`."""
     return service.create_study(
         session, url, body, as_tenant=principal.tenant, allow_workload_imports=settings.allow_workload_imports,
-        created=loop.adopt if loop is not None else None,  # schedule it now, not at the next poll
+        settings=settings, created=loop.adopt if loop is not None else None,  # schedule it now, not at the next poll
     )
 
 

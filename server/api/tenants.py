@@ -53,7 +53,8 @@ def create_tenant(body: TenantCreate, session: SessionDep) -> TenantCreated:
     responses=answers(CONFLICT, {200: {"links": links(tenant="$response.body#/name")}}),
 )
 def update_tenant(body: TenantUpdate, session: SessionDep, name: str = TenantName) -> TenantOut:
-    """Change a tenant's weight (its share of the devices when tenants compete) or quotas (admin only)."""
+    """Change a tenant's weight (its share of the devices when tenants compete), quotas, or `code_upload`
+    (whether it may upload code packages and run studies of them) (admin only)."""
     return tenants.update_tenant(session, name, body)
 
 

@@ -26,6 +26,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    false,
     func,
     or_,
     select,
@@ -138,6 +139,25 @@ class Tenant(Base):
     max_running_studies: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: Most trials one of its studies may ask for (``n_trials``); None: no limit.
     max_trials_per_study: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Whether it may upload code packages and run studies of them (the admin grants it; off by default).
+    code_upload: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Package(Base):
+    """A code package a tenant uploaded (``server/packages.py``): a zip in the artifact store at
+    ``packages/<digest>.zip``, named by the SHA-256 of its bytes. One row per tenant that
+    uploaded it (a tenant may use only its own rows), one stored object for all of them."""
+
+    __tablename__ = "ft_packages"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(
+        ForeignKey("ft_tenants.name", name="fk_ft_packages_tenant", ondelete="CASCADE"), primary_key=True
+    )
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    #: Entries of its zip.
+    files: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -184,6 +204,8 @@ class StudyConfig:
     max_array_size: int | None
     max_concurrent_trials: int | None
     driver: str
+    #: The digest of the code package its workload comes from (None: a registered workload).
+    package: str | None = None
 
 
 class Study(Base):
@@ -212,6 +234,8 @@ class Study(Base):
     max_concurrent_trials: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: "service": its sampler and pruner run here; "client": its client enqueues trials and prunes.
     driver: Mapped[str] = mapped_column(String(16), default="service", server_default="service")
+    #: The digest of the code package it runs (``ft_packages``; None: a registered workload).
+    package: Mapped[str | None] = mapped_column(String(64), nullable=True)
     optuna_study_id: Mapped[int] = mapped_column(Integer, unique=True)
     state: Mapped[StudyState] = mapped_column(_enum(StudyState), default=StudyState.RUNNING, index=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -226,7 +250,7 @@ class Study(Base):
             workload=self.workload, n_trials=self.n_trials, epochs=self.epochs, search_space=self.search_space,
             sampler=dict(self.sampler), pruner=dict(self.pruner) if self.pruner else None, fusion_sampler=self.fusion_sampler,
             training=TrainingSpec.from_json(self.training), max_array_size=self.max_array_size,
-            max_concurrent_trials=self.max_concurrent_trials, driver=self.driver,
+            max_concurrent_trials=self.max_concurrent_trials, driver=self.driver, package=self.package,
         )
 
     @hybrid_property
