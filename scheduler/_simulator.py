@@ -257,7 +257,7 @@ def simulate(
     weights: Mapping[str, float] | None = None,
     round_seconds: float = 360.0,
     max_members: int = 16,
-    seed: int = 0,
+    seed: int | None = 0,
     backfill: bool = True,
     prices: Mapping[str, float] | None = None,
     lease_seconds: float | None = None,
@@ -273,7 +273,9 @@ def simulate(
         weights: tenant weights (1 when absent).
         round_seconds: the scheduling round; ``lease_seconds`` defaults to it.
         max_members: the cap on B for fusing policies.
-        seed: shuffles the device list (type-blind policies take "the first free device").
+        seed: shuffles the device list (type-blind policies take "the first free device");
+            None keeps the types in ``cluster``'s order, each type's devices together, as a
+            live service lists a node's workers (a replay compared with a live run).
         backfill: False leaves devices the allocation does not fill idle (Gavel's LP alone).
         prices: public device prices for ``oef-noncooperative``'s exchanges.
     """
@@ -284,12 +286,13 @@ def simulate(
     sched = make_scheduler(policy, model, max_members=max_members, lease_seconds=lease, backfill=backfill, prices=prices)
     devices = [
         Device(f"{g}-{i:03d}", g, memory_bytes=memory[g], node=f"{g}-node{i // 4}")
-        for g in sorted(cluster)
+        for g in (sorted(cluster) if seed is not None else cluster)
         for i in range(cluster[g])
     ]
     # Type-blind policies take "the first free device"; a seeded shuffle makes that a
     # random type (as on a real Ray cluster) instead of always the slowest type first.
-    random.Random(seed).shuffle(devices)
+    if seed is not None:
+        random.Random(seed).shuffle(devices)
     replay = _Replay(sched, trials, curves, devices, weights or {}, round_seconds)
     replay.run()
     return replay.result(policy, studies, trials)

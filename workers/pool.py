@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -20,22 +21,47 @@ log = logging.getLogger(__name__)
 Event = tuple["WorkerHandle", ArraySpec, EpochReport | ArrayOutcome | BaseException]
 
 
+#: A node declares what kind of device its CPU workers are with a Ray custom resource named
+#: by this prefix and the type, e.g. ``ray start --resources '{"fusetune-device:k80": 1}'``:
+#: heterogeneous CPU nodes, or a test cluster whose CPU nodes stand for device types.
+DEVICE_RESOURCE_PREFIX = "fusetune-device:"
+
+
 class WorkerHung(RuntimeError):
     """A busy worker answered no heartbeat within the timeout: it was killed."""
 
 
-def _options(device_type: str, threads: int) -> dict:
+def declared_device_type(resources: Mapping[str, float]) -> str | None:
+    """The device type a node's Ray resources declare for its CPU workers (see
+    :data:`DEVICE_RESOURCE_PREFIX`); None when they declare none (the workers are ``cpu``).
+
+    A node that declares several takes the first in sorted order, with a warning: its CPU
+    workers are all of one kind.
+    """
+    declared = sorted(k[len(DEVICE_RESOURCE_PREFIX):] for k, v in resources.items() if k.startswith(DEVICE_RESOURCE_PREFIX) and v > 0)
+    declared = [d for d in declared if d]
+    if len(declared) > 1:
+        log.warning("a node declares several device types %s for its CPU workers: they are %s", declared, declared[0])
+    return declared[0] if declared else None
+
+
+def _options(backend: str, threads: int) -> dict:
     """Ray resources of one worker: a whole accelerator, or its share of the CPUs."""
-    if device_type == "cuda":
+    if backend == "cuda":
         return {"num_gpus": 1, "num_cpus": 1}
-    if device_type == "xla":
+    if backend == "xla":
         return {"resources": {"TPU": 1}, "num_cpus": 1}
     return {"num_cpus": threads}
 
 
 @dataclass
 class WorkerHandle:
-    """One worker actor and the array it is training, if any."""
+    """One worker actor and the array it is training, if any.
+
+    ``device_type`` is what the scheduler calls the device (its throughput curves are per
+    type); ``backend`` is the torch device the actor trains on (``cpu``, ``cuda``, ``xla``).
+    They differ only for the CPU workers of a node that declares a device type.
+    """
 
     name: str
     device_type: str
@@ -50,6 +76,7 @@ class WorkerHandle:
     last_ping: float = 0.0
     hung: bool = False  # killed for answering no heartbeat
     coming_up: ray.ObjectRef | None = field(default=None, repr=False)  # its first info() call, until it answers
+    backend: str = "cpu"
 
     @property
     def idle(self) -> bool:
@@ -99,7 +126,9 @@ class WorkerPool:
         the idle workers of nodes that left. Returns the workers started.
 
         GPUs (Ray resource ``GPU``) get ``cuda`` workers and TPU chips (``TPU``) get ``xla``
-        workers; CPU workers are started only while the cluster has no accelerator at all.
+        workers; CPU workers are started only while the cluster has no accelerator at all. A
+        CPU worker's device type is ``cpu``, or the one its node declares
+        (:func:`declared_device_type`).
         """
         nodes = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
         gone = [w for w in [*self.workers, *self._starting] if w.idle and w.node_id and w.node_id not in nodes]
@@ -109,7 +138,7 @@ class WorkerPool:
         self.workers = [w for w in self.workers if w not in gone]
         self._starting = [w for w in self._starting if w not in gone]
         accelerators = any(r.get("GPU", 0) >= 1 or r.get("TPU", 0) >= 1 for r in nodes.values())
-        slots: list[tuple[str, int, str]] = []  # device type, threads, node id
+        slots: list[tuple[str, str, int, str]] = []  # device type, backend, threads, node id
         budget: int | None = None  # CPU workers left to place in the first refresh
         if not accelerators and self._cpu_threads is None:
             total = int(sum(r.get("CPU", 0) for r in nodes.values()))
@@ -120,19 +149,21 @@ class WorkerPool:
             mine = [w for w in [*self.workers, *self._starting] if w.node_id == node_id]
             if accelerators:
                 for device_type, resource in (("cuda", "GPU"), ("xla", "TPU")):
-                    have = sum(w.device_type == device_type for w in mine)
-                    slots += [(device_type, 1, node_id)] * (int(resources.get(resource, 0)) - have)
+                    have = sum(w.backend == device_type for w in mine)
+                    slots += [(device_type, device_type, 1, node_id)] * (int(resources.get(resource, 0)) - have)
                 continue
-            if mine or self._cpu_threads is None or any(w.device_type != "cpu" for w in self.workers):
+            if mine or self._cpu_threads is None or any(w.backend != "cpu" for w in self.workers):
                 continue  # a node keeps the CPU workers it got when it joined
             want = int(resources.get("CPU", 0)) // self._cpu_threads
             if budget is not None:  # the first refresh starts cpu_workers workers in all
                 want, budget = min(want, budget), budget - min(want, budget)
-            slots += [("cpu", self._cpu_threads, node_id)] * want
-        for device_type, threads, node_id in slots:
+            declared = declared_device_type(resources) or "cpu"
+            slots += [(declared, "cpu", self._cpu_threads, node_id)] * want
+        for device_type, backend, threads, node_id in slots:
             index = self._index.get(device_type, 0)
             self._index[device_type] = index + 1
-            self._starting.append(self._start(f"{self.name_prefix}-{device_type}-{index}", device_type, threads, node_id))
+            name = f"{self.name_prefix}-{device_type}-{index}"
+            self._starting.append(self._start(name, device_type, threads, node_id, backend))
         # Workers come up once Ray has their resources: the first refresh waits up to
         # timeout_s for them; those still pending (their CPUs are another pool's for now)
         # join at a later refresh, when they have. Each is asked once and its answer awaited
@@ -145,7 +176,7 @@ class WorkerPool:
         wait = self.timeout_s if not self.workers else 0.0
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait) if pending else ([], [])
         started = []
-        per_node = {n: sum(w.node_id == n and w.device_type == "cpu" for w in [*self.workers, *self._starting]) for n in nodes}
+        per_node = {n: sum(w.node_id == n and w.backend == "cpu" for w in [*self.workers, *self._starting]) for n in nodes}
         for ref in ready:
             worker = pending[ref]
             self._starting.remove(worker)
@@ -164,19 +195,23 @@ class WorkerPool:
         info = ray.get(info_ref or worker.actor.info.remote(), timeout=self.timeout_s)
         worker.node, worker.node_id = info["node"], info["node_id"]
         # CPU workers on one node share its memory.
-        worker.memory_bytes = int(info["memory_bytes"]) // (sharing if worker.device_type == "cpu" else 1)
+        worker.memory_bytes = int(info["memory_bytes"]) // (sharing if worker.backend == "cpu" else 1)
 
     @staticmethod
-    def _start(name: str, device_type: str, threads: int, node_id: str = "") -> WorkerHandle:
-        options = _options(device_type, threads)
+    def _start(name: str, device_type: str, threads: int, node_id: str = "", backend: str | None = None) -> WorkerHandle:
+        """A new actor training on ``backend`` (default: ``device_type``), known to the scheduler as ``device_type``."""
+        backend = backend or device_type
+        options = _options(backend, threads)
         if node_id:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        actor = (
+        # Ray types .remote() of an actor class as its ActorProxy (the handle or the class
+        # itself, for typing method calls); what comes back is the handle.
+        actor = cast(ray.actor.ActorHandle, (
             ray.remote(ArrayWorker)
             .options(max_concurrency=2, **options)  # run + offer, release, reply, heartbeat
-            .remote(name, device_type, threads)
-        )
-        return WorkerHandle(name=name, device_type=device_type, num_threads=threads, actor=actor, node_id=node_id)
+            .remote(name, backend, threads)
+        ))
+        return WorkerHandle(name=name, device_type=device_type, num_threads=threads, actor=actor, node_id=node_id, backend=backend)
 
     @staticmethod
     def _kill(worker: WorkerHandle) -> None:
@@ -190,6 +225,7 @@ class WorkerPool:
 
     def submit(self, worker: WorkerHandle, spec: ArraySpec) -> None:
         if not worker.idle:
+            assert worker.spec is not None  # submit sets a busy worker's spec with its stream
             raise RuntimeError(f"worker {worker.name} is already training array {worker.spec.array_id}")
         worker.spec = spec
         worker.stream = worker.actor.run.remote(spec)
@@ -260,6 +296,8 @@ class WorkerPool:
         for stream in ready:
             worker = busy[stream]
             spec = worker.spec
+            # What ray.wait gave back are the busy workers' streams, each with its array's spec.
+            assert isinstance(stream, ray.ObjectRefGenerator) and spec is not None
             try:
                 item: EpochReport | ArrayOutcome | BaseException = ray.get(next(stream), timeout=self.timeout_s)
             except StopIteration:  # the stream ended without an outcome: cannot happen in run()
@@ -302,9 +340,9 @@ class WorkerPool:
         """A new actor for a dead one, on its node; none if the node left (or it cannot start)."""
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         if worker.node_id in alive or not worker.node_id:
-            fresh = self._start(worker.name, worker.device_type, worker.num_threads, worker.node_id)
+            fresh = self._start(worker.name, worker.device_type, worker.num_threads, worker.node_id, worker.backend)
             try:
-                sharing = sum(w.node_id == worker.node_id and w.device_type == "cpu" for w in self.workers)
+                sharing = sum(w.node_id == worker.node_id and w.backend == "cpu" for w in self.workers)
                 self._describe(fresh, max(1, sharing))
                 worker.actor, worker.node, worker.hung = fresh.actor, fresh.node, False
                 return
