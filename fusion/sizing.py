@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from . import optim as fused_optim
 from ._errors import FusionError
@@ -153,7 +154,7 @@ class _Array:
     """A fused array of B fresh members with its optimizer and a training step."""
 
     def __init__(self, factory: Callable[[], nn.Module], b: int, device: torch.device, optimizer: str,
-                 lr: float, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
+                 lr: float, x: Any, y: Any, loss_fn: Callable[..., torch.Tensor],
                  batched: frozenset[type[nn.Module]] = frozenset()) -> None:
         self.fused: FusedModel = fuse([factory() for _ in range(b)], batched=batched).to(device)
         self.opt = _FUSED_OPT[optimizer](self.fused.parameters(), lr=lr)
@@ -217,8 +218,8 @@ def _sync(device: torch.device) -> None:
 
 def memory_model(
     model_factory: Callable[[], nn.Module],
-    example_input: torch.Tensor,
-    example_target: torch.Tensor,
+    example_input: Any,
+    example_target: Any,
     *,
     device: str | torch.device = "cpu",
     loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
@@ -230,11 +231,15 @@ def memory_model(
     (CUDA: the allocator's peak; CPU: parameters, gradients, optimizer state and the tensors
     autograd saves for backward). :func:`size_array` sizes arrays with it; the service caps
     arrays by it when workers have a memory budget (``FUSETUNE_WORKER_MEMORY_BYTES``).
+
+    ``example_input`` is the model's one positional argument and ``example_target`` the
+    loss's second: tensors ``[N, ...]``, or tuples, lists or dicts of them (a batch as a
+    ``DataLoader`` collates it, for a model that takes the batch), broadcast to every member.
     """
     dev = torch.device(device)
     if optimizer not in _FUSED_OPT:
         raise FusionError(f"optimizer must be one of {sorted(_FUSED_OPT)}, got {optimizer!r}")
-    x, y = example_input.to(dev), example_target.to(dev)
+    x, y = pytree.tree_map_only(torch.Tensor, lambda t: t.to(dev), (example_input, example_target))
     sizes = []
     for b in (1, 2):
         array = _Array(model_factory, b, dev, optimizer, lr, x, y, loss_fn)

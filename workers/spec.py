@@ -40,6 +40,9 @@ class TrainingSpec:
     max_norm: float | None = None  # gradient clipping, per member
     amp: bool | None = None  # CUDA autocast + per-member GradScaler (ignored on CPU workers)
     metrics: tuple[str, ...] = ()  # the study's objectives, in order; (): the workload's metric
+    # The DataLoader's options for a dataset that is not a TensorDataset (num_workers,
+    # persistent_workers, prefetch_factor, pin_memory, ...), each over the workload's ``loader``.
+    loader: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The settings as the study stores them: the request's own fields."""
@@ -52,6 +55,7 @@ class TrainingSpec:
             "max_norm": self.max_norm,
             "amp": self.amp,
             "metrics": list(self.metrics),
+            "loader": dict(self.loader),
         }
 
     @classmethod
@@ -69,6 +73,7 @@ class TrainingSpec:
             max_norm=stored.get("max_norm"),
             amp=stored.get("amp"),
             metrics=tuple(stored.get("metrics") or ()),
+            loader=dict(stored.get("loader") or {}),
         )
 
 

@@ -17,6 +17,8 @@ from torch import nn
 
 import fusetune.fusion as fusion
 from fusetune.workers.checkpoints import CheckpointWriter, UnreadableCheckpoint, checkpoint_dir, load_checkpoint, saved_epochs
+from fusetune.workers.data import ArrayData
+from fusetune.workers.evaluation import Evaluation
 from fusetune.workers.optimization import ArrayOptimizer, Recipe, optimizer_kwargs, resolve
 from fusetune.workers.spec import (
     ArrayOutcome,
@@ -30,7 +32,7 @@ from fusetune.workers.spec import (
 )
 from fusetune.workers.store import ArtifactStore, get_store
 from fusetune.workers.unfused import NotFused, Unfused, where_it_failed
-from fusetune.workers.workloads import Metric, Workload, get_workload
+from fusetune.workers.workloads import Batch, Metric, Workload, get_workload
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +197,8 @@ def _load_states(optim: ArrayOptimizer, first: int, states: Sequence[tuple[dict[
 def probe_solo_speed(
     workload: Workload,
     member: MemberSpec,
-    x: torch.Tensor,
-    y: torch.Tensor,
+    batches: Iterator[Batch],
+    device: torch.device,
     steps: int,
     warmup: int = 3,
     training: TrainingSpec | None = None,
@@ -207,10 +209,11 @@ def probe_solo_speed(
     speed it tells the scheduler what fusing gains on this device, instead of the dry runs
     that used to delay a class's first array. A copy trains (from the member's init seed,
     one epoch's worth of steps at most) with torch's own optimizer, clipping and AMP as the
-    member's recipe says, so the member itself is untouched.
+    member's recipe says, so the member itself is untouched. ``batches`` are training
+    batches on ``device`` (``workers.data.Source.endless``): drawn at random from a
+    ``TensorDataset``, or read through a loader of the probe's own, so a workload's data
+    loading counts in the solo speed as it counts in the array's.
     """
-    device = x.device
-    batch = workload.batch_size_for(member.params)
     recipe = resolve(workload, training, member.params)
     torch.manual_seed(member.number)
     model = workload.build_model(member.params).to(device)
@@ -223,9 +226,9 @@ def probe_solo_speed(
         if k == warmup:
             _sync(device)
             clock = time.perf_counter()
-        idx = torch.randint(len(y), (batch,), device=device)
+        batch = next(batches)
         with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-            loss = workload.loss(model(x[idx]), y[idx])
+            loss = workload.loss(workload.forward(model, batch), workload.target_of(batch))
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -243,12 +246,12 @@ def probe_solo_speed(
     return steps / (time.perf_counter() - clock)
 
 
-def _measure(metric: Metric, fused: ArrayModel, b: int, out: torch.Tensor, target: torch.Tensor) -> float:
-    """Member ``b``'s value of ``metric``: from the fused validation outputs, or of its model."""
+def _measure(metric: Metric, fused: ArrayModel, b: int, evaluation: Evaluation) -> float:
+    """Member ``b``'s value of ``metric``: from the fused validation pass, or of its model."""
     with torch.no_grad():
         if metric.of == "model":
             return float(metric.fn(fused.member(b)))
-        return float(metric.fn(out[b], target))
+        return evaluation.value(metric, b)
 
 
 def _said(error: BaseException) -> str:
@@ -338,10 +341,7 @@ class ArrayRun:
     one method per phase of an epoch."""
 
     workload: Workload
-    x: torch.Tensor
-    y: torch.Tensor
-    x_val: torch.Tensor
-    y_val: torch.Tensor
+    data: ArrayData
     metrics: list[Metric]
     fused: ArrayModel
     optim: ArrayOptimizer
@@ -376,9 +376,12 @@ class ArrayRun:
         clock = time.perf_counter()
         spec, members = self.spec, self.members
         self.workload = workload = get_workload(spec.workload)
-        train, val = workload.datasets()
-        self.x, self.y = (t.to(self.device) for t in train.tensors)
-        self.x_val, self.y_val = (t.to(self.device) for t in val.tensors)
+        self.batch_size = workload.batch_size_for(members[0].params)
+        # The data order is the array's members' (the first's number), not the array id's,
+        # which depends on how the database numbered earlier arrays.
+        seed = spec.seed + min(m.number for m in members)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.data = ArrayData(workload, spec.training, self.device, self.batch_size, self.generator, seed)
         self.metrics = objectives(workload, spec.training)
         models = build_models(workload, members, spec.seed)
         self.epochs_done, states = resume_members(spec, members, models)
@@ -387,10 +390,6 @@ class ArrayRun:
         self.optim = _optimizer(self.fused, recipes(workload, spec.training, members), self.device)
         _load_states(self.optim, 0, states)
         self.joined = _joined(members, self.epochs_done, states)
-        self.batch_size = workload.batch_size_for(members[0].params)
-        # The data order is the array's members' (the first's number), not the array id's,
-        # which depends on how the database numbered earlier arrays.
-        self.generator = torch.Generator().manual_seed(spec.seed + min(m.number for m in members))
         # In the first epoch's report: the control plane weighs moving members by it.
         self.built = time.perf_counter() - clock
 
@@ -435,9 +434,9 @@ class ArrayRun:
         self.count = len(self.members)
         final_losses, epoch_steps = self._train()
         solo = self._probe(epoch_steps)
-        values, out = self._evaluate()
+        values, evaluation = self._evaluate()
         self.outcome.epochs_done += 1
-        reports = self._end_members(final_losses, values, out)
+        reports = self._end_members(final_losses, values, evaluation)
         self._release()
         return self._report(reports, epoch_steps, solo)
 
@@ -445,13 +444,13 @@ class ArrayRun:
         """One pass over the training data: each member's last loss, and the steps taken."""
         self.fused.train()
         clock = time.perf_counter()
-        order = torch.randperm(len(self.y), generator=self.generator).to(self.device)
         losses = torch.zeros(self.count, device=self.device)
         epoch_steps = 0
-        for begin in range(0, len(self.y), self.batch_size):
-            idx = order[begin : begin + self.batch_size]
-            losses = self._proving(True, lambda idx=idx: self._step(idx))  # type: ignore[misc]
+        for batch in self.data.epoch():
+            losses = self._proving(True, lambda batch=batch: self._step(batch))  # type: ignore[misc]
             epoch_steps += 1
+        if not epoch_steps:
+            raise ValueError(f"workload {self.workload.name!r}: its training data yields no batch")
         final_losses = losses.detach().cpu().tolist()
         train_s = self.epoch_s["train_s"] = time.perf_counter() - clock
         self.member_steps += self.count * epoch_steps
@@ -459,16 +458,17 @@ class ArrayRun:
         self.train_seconds += train_s
         return final_losses, epoch_steps
 
-    def _step(self, idx: torch.Tensor) -> torch.Tensor:
-        """One optimization step of every member on the mini-batch ``idx``; their losses."""
-        count, loss = self.count, self.workload.loss
+    def _step(self, batch: Batch) -> torch.Tensor:
+        """One optimization step of every member on ``batch``, each tensor of it broadcast to
+        the members; their losses."""
+        count, workload = self.count, self.workload
         if self.optim.amp:
             with self.optim.autocast():
-                out = self.fused(fusion.broadcast(self.x[idx], count))
-                losses = fusion.per_member_loss(loss, out, fusion.broadcast(self.y[idx], count))
+                out = workload.forward(self.fused, fusion.broadcast(batch, count))
+                losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(workload.target_of(batch), count))
         else:
-            out = self.fused(fusion.broadcast(self.x[idx], count))
-            losses = fusion.per_member_loss(loss, out, fusion.broadcast(self.y[idx], count))
+            out = workload.forward(self.fused, fusion.broadcast(batch, count))
+            losses = fusion.per_member_loss(workload.loss, out, fusion.broadcast(workload.target_of(batch), count))
         self.optim.step(losses)
         return losses
 
@@ -477,23 +477,35 @@ class ArrayRun:
         if not self.spec.probe_solo or self.outcome.epochs_done != 0:
             return None
         clock = time.perf_counter()
-        solo = probe_solo_speed(self.workload, self.members[0], self.x, self.y, steps=epoch_steps, training=self.spec.training)
+        member = self.members[0]
+        batches = self.data.train.endless(member.number)
+        solo = probe_solo_speed(self.workload, member, batches, self.device, steps=epoch_steps, training=self.spec.training)
         self.epoch_s["probe_s"] = time.perf_counter() - clock
         return solo
 
-    def _evaluate(self) -> tuple[list[float], torch.Tensor]:
-        """The validation pass: each member's first objective and the fused outputs; the
+    def _evaluate(self) -> tuple[list[float], Evaluation]:
+        """The validation pass: each member's first objective and the pass's outputs; the
         schedules step once per epoch, after it."""
         clock = time.perf_counter()
         self.fused.eval()
-        with torch.no_grad(), self.optim.autocast() if self.optim.amp else contextlib.nullcontext():
-            out = self._proving(False, lambda: self.fused(fusion.broadcast(self.x_val, self.count)))
-        values = [_measure(self.metrics[0], self.fused, b, out, self.y_val) for b in range(self.count)]
+        with torch.no_grad():
+            evaluation = self._proving(False, self._validate)
+        values = [_measure(self.metrics[0], self.fused, b, evaluation) for b in range(self.count)]
         self.optim.end_epoch(values)
         self.epoch_s["eval_s"] = time.perf_counter() - clock
-        return values, out
+        return values, evaluation
 
-    def _end_members(self, final_losses: list[float], values: list[float], out: torch.Tensor) -> list[MemberReport]:
+    def _validate(self) -> Evaluation:
+        """The fused model over the validation batches, each tensor broadcast to the members;
+        the metrics of the batch's outputs that are means over batches are taken as it passes."""
+        evaluation, workload = Evaluation(self.metrics, self.count), self.workload
+        for batch in self.data.validation():
+            with self.optim.autocast() if self.optim.amp else contextlib.nullcontext():
+                out = workload.forward(self.fused, fusion.broadcast(batch, self.count))
+            evaluation.add(out, workload.target_of(batch))
+        return evaluation
+
+    def _end_members(self, final_losses: list[float], values: list[float], evaluation: Evaluation) -> list[MemberReport]:
         """Each member's report; members that end on the worker's side: diverged, or done
         (weights saved first)."""
         clock = time.perf_counter()
@@ -508,7 +520,7 @@ class ArrayRun:
                 reports.append(MemberReport(member.trial_id, step, values[b], "FAIL", error=error))
                 self.ended[b], outcome.failed[member.trial_id] = "FAIL", "training diverged"
             elif self.epochs_done[b] >= spec.epochs:
-                finals = (values[b], *(_measure(m, self.fused, b, out, self.y_val) for m in metrics[1:]))
+                finals = (values[b], *(_measure(m, self.fused, b, evaluation) for m in metrics[1:]))
                 bad = [m.name for m, v in zip(metrics, finals) if not math.isfinite(v)]
                 if bad:
                     error = f"objective {bad[0]} is not finite at epoch {step}"
@@ -664,12 +676,18 @@ class ArrayRun:
         If the first member's own model trains, the model fuses by neither path: the outcome
         says why, naming the module, and its members (not failed, their checkpoints kept)
         train unfused. Otherwise the model cannot train at all: the array fails with ``error``."""
-        member = self.fusing
+        member, workload = self.fusing, self.workload
         try:
-            probe_solo_speed(self.workload, member, self.x, self.y, steps=1, warmup=0, training=self.spec.training)
-            model = self.workload.build_model(member.params).to(self.device).eval()
-            with torch.no_grad():
-                model(self.x_val)
+            batches = self.data.train.endless(member.number)
+            probe_solo_speed(workload, member, batches, self.device, steps=1, warmup=0, training=self.spec.training)
+            model = workload.build_model(member.params).to(self.device).eval()
+            batch = self.data.first_validation()
+            with torch.no_grad():  # its metrics too: a metric's own failure is no fusion's
+                check = Evaluation(self.metrics, 1)
+                check.add(fusion.broadcast(workload.forward(model, batch), 1), workload.target_of(batch))
+                for metric in self.metrics:
+                    if metric.of == "outputs":
+                        check.value(metric, 0)
         except Exception:
             self.fail(error)
             return
@@ -699,6 +717,9 @@ class ArrayRun:
             self.writer.close()
         except OSError as exc:  # a checkpoint could not be written: the trials can't resume
             self.outcome.error = self.outcome.error or f"checkpoint write failed: {exc}"
+        data = getattr(self, "data", None)  # None: the array failed before it read its data
+        if data is not None:
+            data.close()
         if self.outcome.oom and self.device.type == "cuda":
             torch.cuda.empty_cache()  # what the failed array held, for the halves
         self.outcome.timings = dict(self.timings)

@@ -9,10 +9,44 @@ from typing import Any, Literal
 import optuna
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset
 
 Params = Mapping[str, Any]
 Direction = Literal["maximize", "minimize"]
+#: One mini-batch as the data yields it: a tuple or list ``(x, y, ...)``, a dict of tensors
+#: (``{"input_ids": ..., "labels": ...}``), or one tensor (a language model's tokens).
+Batch = Any
+
+
+def feed_model(model: nn.Module, batch: Batch) -> Any:
+    """The default ``Workload.forward``: how a batch feeds the model.
+
+    A tuple or list ``(x, y, ...)`` calls ``model(x)``; a dict calls the model with its
+    entries as keyword arguments, all but ``labels`` (``model(input_ids=...,
+    attention_mask=...)``); a tensor calls ``model(batch)``.
+    """
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, Mapping):
+        return model(**{k: v for k, v in batch.items() if k != "labels"})
+    return model(batch[0])
+
+
+def labels_of(batch: Batch) -> Any:
+    """The default ``Workload.target_of``: what a batch's outputs are compared with.
+
+    A tuple or list ``(x, y, ...)`` gives ``y``; a dict its ``labels``; a tensor, or a tuple
+    of one tensor (a ``TensorDataset`` of one tensor), itself: a language model's loss and
+    metrics take the tokens and shift them.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise KeyError(f"a dict batch's target is its 'labels', and this one has {sorted(batch)}: "
+                           "set the workload's target_of")
+        return batch["labels"]
+    return batch[1] if len(batch) > 1 else batch[0]
 
 
 @dataclass(frozen=True)
@@ -23,25 +57,37 @@ class Metric:
 
     Attributes:
         name: what the API and Optuna call it (``"accuracy"``, ``"n_params"``).
-        fn: with ``of="outputs"``, ``fn(output, target) -> float`` over the whole validation
-            set; with ``of="model"``, ``fn(model) -> float`` of the member's trained model as
-            its own class (a parameter count, a sparsity).
+        fn: with ``of="outputs"``, ``fn(output, target) -> float`` (or a 0-d tensor): one
+            member's model outputs and the target (``Workload.target_of``) of the whole
+            validation set, or of one validation batch with ``per_batch``; with
+            ``of="model"``, ``fn(model) -> float`` of the member's trained model as its own
+            class (a parameter count, a sparsity).
         direction: whether a larger value is better.
         of: what ``fn`` takes. Metrics of the outputs are computed every epoch from the
             array's one fused validation pass; metrics of the model export the member, so
             they are computed when they are needed (the study's objectives, at a member's
             last epoch; every epoch only when a model metric is the first objective).
+        per_batch: ``fn`` is a mean over the samples of what it is given, so its value over
+            the validation set is the mean of its values over the validation batches,
+            weighted by each batch's samples (the first axis of its target). A validation
+            set read through a ``DataLoader`` is then measured batch by batch, and its
+            outputs are never held together (a language model's ``[B, N, L, vocab]``
+            logits). Without it (the default), that set's outputs and targets are
+            concatenated along the sample axis and ``fn`` sees them whole, which suits a
+            classifier's outputs. A ``TensorDataset`` validation set is one batch: either way
+            ``fn`` sees it whole.
     """
 
     name: str
     fn: Callable[..., float]
     direction: Direction = "maximize"
     of: Literal["outputs", "model"] = "outputs"
+    per_batch: bool = False
 
 
 @dataclass(frozen=True)
 class Workload:
-    """A trainable task, written as plain PyTorch with no fusion code.
+    r"""A trainable task, written as plain PyTorch with no fusion code.
 
     fusetune builds one model per trial with ``build_model(params)``, fuses the models of
     trials whose operator shapes agree, and trains them together. Every param goes to
@@ -68,6 +114,34 @@ class Workload:
 
     A trial's param overrides the study's setting, which overrides the workload's below.
 
+    **Data.** ``datasets()`` returns any ``torch.utils.data.Dataset``\s, map-style or
+    iterable, with their transforms and augmentation in Python (``__getitem__`` drawing a
+    random flip and crop). An array reads one stream of mini-batches and every member sees
+    each batch (``workers/data.py``):
+
+    * A ``TensorDataset`` (not a subclass with its own ``__getitem__``) stays on the device
+      and is indexed by a permutation drawn from the array's seed: no ``DataLoader``. Its
+      validation set is one batch, the whole set in one fused pass.
+    * Any other dataset is read through one ``torch.utils.data.DataLoader`` per array,
+      built as ``DataLoader(train, batch_size=<the array's>, shuffle=True,
+      generator=torch.Generator().manual_seed(<the array's seed>), **loader)``: the order
+      and the loader's worker seeds (``base_seed``, so augmentation drawn with ``torch``'s
+      RNG in its worker processes too) follow from the array's seed. An iterable dataset
+      is not shuffled (a ``DataLoader`` cannot): its order is its own, one pass of its
+      iterator is an epoch (it must end), and with ``num_workers > 1`` each worker process
+      yields the whole stream unless the dataset splits it by
+      ``torch.utils.data.get_worker_info()``, as torch documents. The validation set's
+      loader reads in order, with the same options.
+
+    A batch is whatever the loader collates: a tuple or list, a dict, or a tensor.
+    ``forward(model, batch)`` feeds it to the model and ``target_of(batch)`` says what the
+    loss and the metrics compare the outputs with; the fused model gets the batch with
+    every tensor broadcast to the members (``fusion.broadcast``), so ``forward`` should
+    only route the batch's values into the model's call. The loss is
+    ``loss(output, target)`` per member (``fusion.per_member_loss``); a loss that needs
+    more than the labels (a padding mask, the next tokens) gets it through ``target_of``
+    (a dict, or the whole batch).
+
     Attributes:
         name: registry name, e.g. ``"digits-mlp"``.
         build_model: model factory taking a trial's params (a read-only mapping). Its
@@ -75,10 +149,13 @@ class Workload:
             signatures by them (``workers/signature.py``).
         search_space: default define-by-run search space: suggests on an Optuna trial and
             returns the params.
-        datasets: returns the (train, validation) datasets of (input, target) tensors.
-        loss: a mean-reduced loss, ``loss(output, target)``.
+        datasets: returns the (train, validation) datasets: ``TensorDataset``\s of (input,
+            target) tensors, or any map-style or iterable ``Dataset`` (above).
+        loss: a mean-reduced loss, ``loss(output, target)``, with ``target`` as ``target_of``
+            gives it.
         metric: the default objective, a validation metric over a whole validation set,
-            ``metric(output, target)``.
+            ``metric(output, target)`` (list it among ``metrics`` under ``metric_name`` to
+            declare it ``per_batch``).
         metric_name: what ``metric`` measures, shown in the API.
         direction: whether a larger ``metric`` is better.
         metrics: every metric a study may choose as an objective; ``metric`` is added
@@ -94,14 +171,30 @@ class Workload:
             the worker's device is a GPU; CPU workers ignore it and train in float32.
         batch_size: default mini-batch size (a ``batch_size`` trial param overrides it).
         description: one line for listings.
+        forward: ``forward(model, batch) -> output``, how a batch feeds the model
+            (default :func:`feed_model`: ``model(x)`` for ``(x, y)``, the dict's entries
+            but ``labels`` as keyword arguments, ``model(tokens)`` for a tensor).
+        target_of: ``target_of(batch) -> target``, what the loss and the metrics compare
+            the outputs with: a tensor, or a tuple or dict of them (default
+            :func:`labels_of`: ``y`` of ``(x, y)``, a dict's ``labels``, a tensor itself).
+        loader: keyword arguments of the ``DataLoader`` of a dataset that is not a
+            ``TensorDataset``: ``num_workers``, ``persistent_workers``,
+            ``prefetch_factor``, ``pin_memory``, ``collate_fn``, ``drop_last``,
+            ``worker_init_fn``, ``shuffle`` (False: a map-style dataset in its own order),
+            ... A study's ``TrainingSpec.loader`` overrides them one by one. The array sets
+            ``batch_size`` and ``generator`` (``sampler`` and ``batch_sampler`` are
+            refused). ``pin_memory`` defaults to True on a CUDA worker and is dropped on
+            others; ``prefetch_factor`` and ``persistent_workers`` are dropped without
+            worker processes (``num_workers`` 0, the default: the batches are read in the
+            training process).
     """
 
     name: str
     build_model: Callable[[Params], nn.Module]
     search_space: Callable[[optuna.Trial], dict[str, Any]]
-    datasets: Callable[[], tuple[TensorDataset, TensorDataset]]
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    metric: Callable[[torch.Tensor, torch.Tensor], float]
+    datasets: Callable[[], tuple[Dataset[Any], Dataset[Any]]]
+    loss: Callable[[Any, Any], torch.Tensor]
+    metric: Callable[[Any, Any], float]
     metric_name: str = "accuracy"
     direction: Direction = "maximize"
     metrics: tuple[Metric, ...] = ()
@@ -114,6 +207,9 @@ class Workload:
     amp: bool = False
     batch_size: int = 64
     description: str = ""
+    forward: Callable[[nn.Module, Batch], Any] = feed_model
+    target_of: Callable[[Batch], Any] = labels_of
+    loader: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.metrics]
