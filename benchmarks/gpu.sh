@@ -26,6 +26,7 @@ if ! $py -c "import fusetune.fusion" 2>/dev/null; then
   ns=$(mktemp -d)
   mkdir "$ns/fusetune"
   for d in fusion workers scheduler client server migrations; do ln -s "$PWD/$d" "$ns/fusetune/$d"; done
+  ln -s "$PWD/client/_top/__init__.py" "$ns/fusetune/__init__.py"  # the package's own module (pyproject: package-dir)
   export PYTHONPATH="$ns:$PYTHONPATH"
 fi
 members=${MEMBERS:-1,2,4,8,16,32,64}

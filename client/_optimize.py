@@ -11,21 +11,31 @@ array waits for that answer at the epoch boundary.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import TrialState
 
 from ._client import Client, FusetuneError
+from ._package import Package, _entry, package
+
+if TYPE_CHECKING:
+    from fusetune.workers.workloads import Workload
 
 __all__ = ["optimize"]
 
 _CONFLICT = 409
+_FORBIDDEN = 403
 _DEFAULT_GROUP = 8
+#: What a study's name may not hold (the service's pattern: letters, digits, '.', '_' and '-').
+_NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 @dataclass
@@ -37,9 +47,12 @@ class _Tracked:
 
 def optimize(
     study: optuna.Study,
-    workload: str,
+    workload: Workload | str,
     n_trials: int,
     *,
+    code: str | os.PathLike[str] | None = None,
+    requirements: Sequence[str] | None = None,
+    excludes: Sequence[str] | None = None,
     epochs: int = 10,
     search_space: Mapping[str, optuna.distributions.BaseDistribution] | None = None,
     metrics: Sequence[str] | None = None,
@@ -56,8 +69,13 @@ def optimize(
 
     Args:
         study: the user's own Optuna study, on any storage.
-        workload: the service's workload that trains each trial (its model, data and metric).
+        workload: the workload that trains each trial (its model, data and metric): one of the
+            service's, by name, or the user's own, a ``Workload`` object or a ``module:attr`` path
+            inside ``code``, packaged and uploaded once (:func:`fusetune.client.package`). Its
+            define-by-run space runs here, conditional or not.
         n_trials: how many trials to ask and train.
+        code, requirements, excludes: the user's own workload's folder, pip requirements and
+            what to leave out of the folder (gitignore patterns).
         epochs: epochs per trial; the user's pruner decides after each.
         search_space: fixed distributions to ask with; the workload's define-by-run space
             (run here, on the user's trials) when omitted.
@@ -74,14 +92,16 @@ def optimize(
     Raises:
         ValueError: naming ``n_trials`` or ``epochs`` if not positive, or the field the
             service rejected.
+        PermissionError: the tenant may not upload code (the admin grants ``code_upload``).
     """
     if n_trials < 1:
         raise ValueError(f"n_trials must be positive, not {n_trials}")
     if epochs < 1:
         raise ValueError(f"epochs must be positive, not {epochs}")
     group = max_array_size or _DEFAULT_GROUP
+    workload, packaged = _own_workload(workload, code, requirements, excludes, search_space)
     space = _space(workload)
-    body = _service_study(study, workload, n_trials, epochs, search_space, metrics, max_array_size)
+    body = _service_study(study, workload, n_trials, epochs, search_space, metrics, max_array_size, packaged)
     original, bar = study.sampler, None
     # The user's sampler comes back and the bar closes however this ends, a refused or
     # unreachable service included: the study is the user's, not this call's.
@@ -92,8 +112,12 @@ def optimize(
         deadline = None if timeout is None else time.monotonic() + timeout
         with Client(url, token=token) as client:
             try:
+                if packaged is not None:
+                    client.ensure_package(packaged)
                 created = client.submit(body)
             except FusetuneError as exc:
+                if exc.status_code == _FORBIDDEN:
+                    raise PermissionError(f"the service refused the code: {exc.detail}") from exc
                 raise ValueError(f"the service refused the study: {exc.detail}") from exc
             run = _Run(study, client, created["id"], space, search_space, len(study.directions) > 1, bar)
             run.until_done(n_trials, n_concurrent or 2 * group, deadline, poll_interval)
@@ -103,24 +127,49 @@ def optimize(
         study.sampler = original
 
 
+def _own_workload(
+    workload: Workload | str,
+    code: str | os.PathLike[str] | None,
+    requirements: Sequence[str] | None,
+    excludes: Sequence[str] | None,
+    search_space: Mapping[str, optuna.distributions.BaseDistribution] | None,
+) -> tuple[Workload | str, Package | None]:
+    """The workload whose space runs here, and the user's own workload's package (None for
+    the service's). The define-by-run space runs in this process, conditional or not: the
+    package states the union of what its runs suggest."""
+    if code is None and isinstance(workload, str):
+        return workload, None
+    packaged = package(workload, code=code, requirements=requirements, excludes=excludes, search_space=search_space, conditional=True)
+    return (_entry(workload, Path(code or ".")) if isinstance(workload, str) else workload), packaged
+
+
+def service_study_name(study_name: str) -> str:
+    """The name of a call's service study: the user's study's, made to fit the service's name
+    pattern, and 8 hex digits (one service study per call: its records are the service's)."""
+    stem = _NOT_IN_NAMES.sub("-", study_name).strip("-._")[:200] or "study"
+    return f"{stem}-{uuid.uuid4().hex[:8]}"
+
+
 def _service_study(
     study: optuna.Study,
-    workload: str,
+    workload: Workload | str,
     n_trials: int,
     epochs: int,
     search_space: Mapping[str, optuna.distributions.BaseDistribution] | None,
     metrics: Sequence[str] | None,
     max_array_size: int | None,
+    packaged: Package | None = None,
 ) -> dict[str, Any]:
     """The request body of the client-driven service study that trains the user's trials."""
     body: dict[str, Any] = {
-        "workload": workload,
+        "workload": packaged.workload_name if packaged is not None else workload,
         "n_trials": n_trials,
         "epochs": epochs,
         "driver": "client",
-        # One service study per call, named after the user's: its records are the service's.
-        "name": f"{study.study_name}-{uuid.uuid4().hex[:8]}"[:255],
+        "name": service_study_name(study.study_name),
     }
+    if packaged is not None:
+        body["package"] = packaged.digest
     if metrics is not None:
         body["metrics"] = list(metrics)
     if len(study.directions) > 1:
@@ -232,16 +281,16 @@ def _plain(params: Mapping[str, Any]) -> dict[str, Any]:
     return {name: value.item() if hasattr(value, "item") else value for name, value in params.items()}
 
 
-def _space(workload: str) -> Callable[[optuna.Trial], Mapping[str, Any]]:
+def _space(workload: Workload | str) -> Callable[[optuna.Trial], Mapping[str, Any]]:
     # The workload's define-by-run space is Python: it runs here, on the user's trials.
     from fusetune.workers.workloads import get_workload
 
-    return get_workload(workload).search_space
+    return (get_workload(workload) if isinstance(workload, str) else workload).search_space
 
 
 def _fusion_sampler(
     base: optuna.samplers.BaseSampler,
-    workload: str,
+    workload: Workload | str,
     group: int,
     search_space: Mapping[str, optuna.distributions.BaseDistribution] | None,
 ) -> optuna.samplers.BaseSampler:

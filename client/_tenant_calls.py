@@ -21,11 +21,15 @@ class TenantCalls(Connection):
         return self._call("POST", "/api/v1/tenants", json={"name": name, "weight": weight, **fields})
 
     def update_tenant(self, name: str, **fields: Any) -> dict[str, Any]:
-        """Change a tenant's weight, max_running_studies or max_trials_per_study (admin; None: no limit)."""
+        """Change a tenant's weight, max_running_studies, max_trials_per_study (None: no limit) or code_upload (admin)."""
         return self._call("PATCH", f"/api/v1/tenants/{segment(name)}", json=fields)
 
     def set_weight(self, name: str, weight: float) -> dict[str, Any]:
         return self.update_tenant(name, weight=weight)
+
+    def set_code_upload(self, name: str, allowed: bool) -> dict[str, Any]:
+        """Grant or withdraw a tenant's ``code_upload``: whether it may upload code packages (admin)."""
+        return self.update_tenant(name, code_upload=allowed)
 
     def tokens(self, tenant: str) -> list[dict[str, Any]]:
         """A tenant's tokens: ids, labels, dates (never the tokens themselves)."""

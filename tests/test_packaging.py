@@ -17,9 +17,20 @@ FOLDERS = ("server", "client", "fusion", "workers", "scheduler", "migrations")
 
 
 def test_every_folder_with_an_init_is_a_listed_subpackage() -> None:
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    # Each folder's package, through package-dir (`fusetune` itself is client/_top).
+    folders = {tuple(Path(folder).parts): package for package, folder in setuptools["package-dir"].items()}
+
+    def package_of(folder: Path) -> str:
+        parts = folder.relative_to(ROOT).parts
+        for cut in range(len(parts), 0, -1):
+            if parts[:cut] in folders:
+                return ".".join([folders[parts[:cut]], *parts[cut:]])
+        raise AssertionError(f"{folder} is under no package-dir entry")
+
     on_disk = {
-        "fusetune." + ".".join(init.parent.relative_to(ROOT).parts)
+        package_of(init.parent)
         for folder in FOLDERS
         for init in (ROOT / folder).rglob("__init__.py")
         if "__pycache__" not in init.parts
@@ -45,6 +56,8 @@ def test_the_wheel_holds_only_the_fusetune_package(wheel: Path) -> None:
     assert tops == {"fusetune", next(t for t in tops if t.endswith(".dist-info"))}
     assert "fusetune/migrations/script.py.mako" in names
     assert "fusetune/server/cli.py" in names
+    assert "fusetune/__init__.py" in names  # from fusetune import Workload, Metric
+    assert not any(n.startswith("fusetune/client/_top") for n in names)
     # The dashboard's page, its modules and the vendored libraries with their licences.
     for data in (
         "fusetune/server/dashboard/static/index.html",
@@ -68,14 +81,20 @@ def test_a_fresh_venv_imports_fusetune_and_runs_the_command(wheel: Path, tmp_pat
     (site,) = (env_dir / "lib").glob("python*/site-packages")
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     probe = (
-        "import importlib.util, fusetune.client, fusetune.fusion, fusetune.server.app, fusetune.workers.actor\n"
+        "import sys, importlib.util, fusetune.client\n"
+        "print('torch' in sys.modules)\n"  # the top-level module's names are lazy
+        "import fusetune.fusion, fusetune.server.app, fusetune.workers.actor\n"
         f"print([m for m in {FOLDERS!r} if importlib.util.find_spec(m)])\n"
         "print(fusetune.fusion.__file__)\n"
+        "from fusetune import Metric, Workload\n"
+        "print(Workload.__module__, Metric.__module__)\n"
     )
     done = subprocess.run([python, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
-    top_level, fusion_file = done.stdout.split("\n")[:2]
+    torch_imported, top_level, fusion_file, protocol = done.stdout.split("\n")[:4]
+    assert torch_imported == "False"
     assert top_level == "[]"
     assert fusion_file.startswith(str(site))
+    assert protocol == "fusetune.workers.workloads._base fusetune.workers.workloads._base"
     help_text = subprocess.run(
         [env_dir / "bin" / "fusetune", "--help"], cwd=tmp_path, capture_output=True, text=True, check=True
     ).stdout

@@ -1,0 +1,384 @@
+"""Packaging a user's own workload for the service: :func:`package`.
+
+A workload defined anywhere in the user's code goes to the service as a *package*: a zip
+holding the code and a manifest, ``fusetune.json``, at its root, named by its *digest* (the
+SHA-256 of its bytes). The zip is built deterministically (entries sorted, fixed timestamps
+and permissions), so the same code gives the same digest and a second study of it uploads
+nothing. The workload is either
+
+* a :class:`~fusetune.Workload` object, from a script, a notebook's ``__main__`` or a module
+  of the user's project: cloudpickled *by value* into ``fusetune_workload.pkl`` (the user's
+  own modules are registered with ``cloudpickle.register_pickle_by_value``; installed
+  packages such as torch stay references, imported where it is unpickled); or
+* a ``module:attr`` path inside ``code=DIR``: the folder zipped as Ray's ``runtime_env``
+  zips a ``working_dir`` (``.git``, ``__pycache__``, ``*.pyc``, ``.venv`` and
+  ``node_modules`` left out, and the caller's ``excludes``, gitignore patterns), with the
+  manifest's ``entry`` naming the workload.
+
+**The search space.** A workload's ``search_space(trial)`` is define-by-run Python, user code
+like the rest. The service must not run user code in the control plane (the API and
+scheduling process every tenant shares), and asking a worker to run it would put a Ray round
+trip on every ask's path. So the client runs it here, at submit time, and states it as static
+distributions in the manifest (:func:`static_search_space`): it runs the space on trials of
+an in-memory Optuna study several times, with different samplers and seeds and with each
+categorical choice and each range's ends fixed in turn, and refuses a space whose params or
+distributions differ between runs (a conditional space), or that returns params it did not
+suggest. Such a space runs where the user's own process asks: ``fusetune.client.optimize``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import json
+import logging
+import os
+import site
+import stat
+import sys
+import sysconfig
+import zipfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache, lru_cache
+from importlib import metadata
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+if TYPE_CHECKING:
+    from fusetune.workers.workloads import Workload
+
+__all__ = [
+    "DEFAULT_EXCLUDES",
+    "ConditionalSearchSpaceError",
+    "Package",
+    "package",
+    "static_search_space",
+    "workload_metadata",
+]
+
+MANIFEST = "fusetune.json"
+PICKLE = "fusetune_workload.pkl"
+#: Left out of a code folder, as Ray leaves them out of a ``working_dir`` (gitignore patterns).
+DEFAULT_EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", "node_modules")
+#: The service's default FUSETUNE_PACKAGE_MAX_BYTES: larger packages are refused here, before an upload.
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+#: Most bytes of a code folder read into a package (the service's default unpacked limit).
+DEFAULT_MAX_UNPACKED_BYTES = 256 * 1024 * 1024
+_TIMESTAMP = (1980, 1, 1, 0, 0, 0)  # the earliest a zip can say
+_FILE_MODE = (stat.S_IFREG | 0o644) << 16
+_MAX_CHOICES_PROBED = 32
+_SEEDS = 4
+
+
+class ConditionalSearchSpaceError(ValueError):
+    """The workload's search space is not one static set of distributions."""
+
+
+@dataclass(frozen=True)
+class Package:
+    """A packaged workload: the zip's bytes, its digest and its manifest."""
+
+    digest: str
+    data: bytes
+    manifest: dict[str, Any]
+
+    @property
+    def workload_name(self) -> str:
+        return str(self.manifest["workload"]["name"])
+
+
+def package(
+    workload: Workload | str,
+    *,
+    code: str | os.PathLike[str] | None = None,
+    requirements: Sequence[str] | None = None,
+    excludes: Sequence[str] | None = None,
+    search_space: Mapping[str, optuna.distributions.BaseDistribution] | None = None,
+    conditional: bool = False,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Package:
+    """Package ``workload`` for the service (see the module docstring).
+
+    Args:
+        workload: a ``Workload`` object, or a ``module:attr`` path inside ``code``.
+        code: a folder to ship (needed for a path; with an object, files its code reads).
+        requirements: pip requirements the workers install for it.
+        excludes: gitignore patterns left out of ``code``, besides :data:`DEFAULT_EXCLUDES`.
+        search_space: the static distributions of the manifest; the workload's own space,
+            run here, when omitted.
+        conditional: accept a conditional space, stated as the union of what its runs
+            suggested (``optimize`` does: its client asks, the service only trains).
+        max_bytes: the largest zip made (the service's FUSETUNE_PACKAGE_MAX_BYTES).
+
+    Raises:
+        ValueError: naming what cannot be packaged (a path without ``code``, a name clash,
+            a package over ``max_bytes``, metadata that is not JSON).
+        ConditionalSearchSpaceError: the workload's space is conditional (use ``optimize``).
+    """
+    files: dict[str, bytes] = {}
+    if code is not None:
+        files.update(_folder(Path(code), [*DEFAULT_EXCLUDES, *(excludes or ())]))
+        for reserved in (MANIFEST, PICKLE):
+            if reserved in files:
+                raise ValueError(f"{Path(code) / reserved} would clash with the package's own {reserved}; rename it or exclude it")
+    if isinstance(workload, str):
+        if code is None:
+            raise ValueError(f"workload {workload!r} is a path: give code=DIR, the folder it is in")
+        found, entry, pickled = _entry(workload, Path(code)), workload, None
+    else:
+        found, entry, pickled = _as_workload(workload), None, PICKLE
+        files[PICKLE] = _pickle_by_value(found)
+    if search_space is None:
+        search_space = static_search_space(found.search_space, union=conditional)
+    manifest = {
+        "format": 1,
+        "entry": entry,
+        "pickle": pickled,
+        "workload": workload_metadata(found),
+        "search_space": {name: json.loads(optuna.distributions.distribution_to_json(d)) for name, d in search_space.items()},
+        "requirements": list(requirements or ()),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+    files[MANIFEST] = json.dumps(manifest, sort_keys=True, indent=1).encode()
+    data = _zip(files)
+    if len(data) > max_bytes:
+        raise ValueError(
+            f"the package is {len(data)} bytes, over the {max_bytes} the service takes (FUSETUNE_PACKAGE_MAX_BYTES): "
+            "leave data and large files out with excludes=[...], and have datasets() read them where the workers run"
+        )
+    return Package(hashlib.sha256(data).hexdigest(), data, manifest)
+
+
+def _zip(files: Mapping[str, bytes]) -> bytes:
+    """A zip of ``files`` that depends on nothing but their names and bytes: sorted, one
+    timestamp, one mode, deflated at one level."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name in sorted(files):
+            info = zipfile.ZipInfo(name, date_time=_TIMESTAMP)
+            info.external_attr = _FILE_MODE
+            info.create_system = 3  # Unix: the mode above is read as one
+            archive.writestr(info, files[name], compress_type=zipfile.ZIP_DEFLATED, compresslevel=6)
+    return buffer.getvalue()
+
+
+def _folder(root: Path, excludes: Sequence[str]) -> dict[str, bytes]:
+    """The files under ``root`` by their relative POSIX paths, less what ``excludes`` match."""
+    import pathspec
+
+    if not root.is_dir():
+        raise ValueError(f"code={str(root)!r} is not a folder")
+    spec = pathspec.PathSpec.from_lines("gitwildmatch", excludes)
+    files: dict[str, bytes] = {}
+    total = 0
+    for path in _walk(root, spec):
+        data = path.read_bytes()
+        total += len(data)
+        if total > DEFAULT_MAX_UNPACKED_BYTES:
+            raise ValueError(
+                f"code={str(root)!r} holds more than {DEFAULT_MAX_UNPACKED_BYTES} bytes: leave data out with excludes=[...]"
+            )
+        files[path.relative_to(root).as_posix()] = data
+    return files
+
+
+def _walk(root: Path, spec: Any) -> Iterator[Path]:
+    for folder, dirs, names in os.walk(root):  # symlinked folders are not followed (they may loop)
+        here = Path(folder)
+        dirs[:] = sorted(d for d in dirs if not spec.match_file((here / d).relative_to(root).as_posix() + "/"))
+        for name in sorted(names):
+            path = here / name
+            if not spec.match_file(path.relative_to(root).as_posix()) and path.is_file():
+                yield path
+
+
+def _entry(path: str, code: Path) -> Workload:
+    """The workload at ``module:attr`` inside ``code``, imported here to read its metadata and space."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"workload {path!r} is not a 'module:attr' path")
+    root = str(code.resolve())
+    sys.path.insert(0, root)
+    try:
+        module = importlib.import_module(module_name)
+    finally:
+        sys.path.remove(root)
+    where = getattr(module, "__file__", None) or ""
+    if not os.path.realpath(where).startswith(os.path.realpath(root) + os.sep):
+        raise ValueError(f"module {module_name!r} is imported from {where or 'elsewhere'}, not from code={str(code)!r}: rename it")
+    found: Any = module
+    for part in attr.split("."):
+        found = getattr(found, part)
+    return _as_workload(found)
+
+
+def _as_workload(obj: object) -> Workload:
+    from fusetune.workers.workloads import Workload
+
+    if not isinstance(obj, Workload):
+        raise TypeError(f"{obj!r} is a {type(obj).__name__}, not a fusetune Workload")
+    return obj
+
+
+def _json(value: Any, field: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the workload's {field} is not plain JSON data: {exc}") from exc
+
+
+def workload_metadata(workload: Workload) -> dict[str, Any]:
+    """What the service knows of a workload without importing it: names, directions, defaults."""
+    return {
+        "name": workload.name,
+        "metric_name": workload.metric_name,
+        "direction": workload.direction,
+        "metrics": [{"name": m.name, "direction": m.direction, "of": m.of} for m in workload.metrics],
+        "batch_size": int(workload.batch_size),
+        "optimizer": workload.optimizer,
+        "optimizer_defaults": _json(dict(workload.optimizer_defaults), "optimizer_defaults"),
+        "lr_scheduler": workload.lr_scheduler,
+        "lr_scheduler_defaults": _json(dict(workload.lr_scheduler_defaults), "lr_scheduler_defaults"),
+        "warmup_epochs": int(workload.warmup_epochs),
+        "max_norm": None if workload.max_norm is None else float(workload.max_norm),
+        "amp": bool(workload.amp),
+        "description": workload.description,
+    }
+
+
+# -- pickling by value ---------------------------------------------------------------------
+
+
+def _pickle_by_value(workload: Workload) -> bytes:
+    """``cloudpickle.dumps(workload)`` with the user's own modules pickled by value (their code
+    travels in the pickle; the workers have no copy of it), installed packages by reference."""
+    import cloudpickle
+
+    registered = cloudpickle.list_registry_pickle_by_value()
+    added: list[str] = []
+    for name, module in list(sys.modules.items()):
+        if _is_users(name, module) and not any(name == r or name.startswith(r + ".") for r in registered | set(added)):
+            cloudpickle.register_pickle_by_value(module)
+            added.append(name)
+    try:
+        return cloudpickle.dumps(workload)
+    finally:
+        for name in added:
+            cloudpickle.unregister_pickle_by_value(sys.modules[name])
+
+
+def _is_users(name: str, module: ModuleType | None) -> bool:
+    """Whether ``module`` is the user's own code: a file outside the standard library and the
+    site-packages, of no installed distribution but an editable one, and not fusetune (which
+    every worker has). ``__main__`` is pickled by value by cloudpickle itself."""
+    top = name.split(".")[0]
+    if module is None or name == "__main__" or top == "fusetune":
+        return False
+    where = getattr(module, "__file__", None)
+    if not where:
+        return False
+    path = os.path.realpath(where)
+    if any(path.startswith(root + os.sep) for root in _installed_roots()):
+        return False
+    return all(_editable(dist) for dist in _distributions().get(top, ()))
+
+
+@lru_cache(maxsize=1)
+def _installed_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    roots |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    return tuple(sorted({os.path.realpath(r) for r in roots}))
+
+
+@lru_cache(maxsize=1)
+def _distributions() -> Mapping[str, list[str]]:
+    return metadata.packages_distributions()
+
+
+@cache
+def _editable(distribution: str) -> bool:
+    try:
+        found = metadata.distribution(distribution).read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        return False
+    return bool(found and json.loads(found).get("dir_info", {}).get("editable"))
+
+
+# -- the search space ------------------------------------------------------------------------
+
+
+def static_search_space(
+    search_space: Callable[[optuna.Trial], Mapping[str, Any]], *, union: bool = False
+) -> dict[str, optuna.distributions.BaseDistribution]:
+    """The distributions a define-by-run ``search_space(trial)`` suggests, when they are one
+    static set (see the module docstring for how and why).
+
+    ``union``: a conditional space is stated as the union of what its runs suggested (a param
+    suggested with two distributions is still refused).
+
+    Raises:
+        ConditionalSearchSpaceError: runs suggested different params or distributions, or the
+            space returns params it did not suggest.
+    """
+    logger = logging.getLogger("optuna")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # each in-memory study would log its creation
+    try:
+        reference = _run(search_space, optuna.samplers.RandomSampler(seed=0), None)
+        seen = dict(reference)
+        for sampler, fixed in _probes(reference):
+            found = _run(search_space, sampler, fixed)
+            clash = sorted(k for k in found.keys() & seen.keys() if found[k] != seen[k])
+            if clash or (found != reference and not union):
+                differs = sorted(set(found) ^ set(reference)) or clash or sorted(k for k in found if found[k] != reference.get(k))
+                raise ConditionalSearchSpaceError(
+                    f"the workload's search space is conditional: its runs suggest different params or distributions "
+                    f"({', '.join(differs)}). The service takes a static space, stated when the study is submitted "
+                    "(tenant code never runs in the control plane). Run it with fusetune.client.optimize(study, workload, "
+                    "...), which runs the space in your own process, or give search_space={...} as fixed distributions."
+                )
+            seen.update(found)
+    finally:
+        logger.setLevel(level)
+    return seen
+
+
+def _probes(reference: Mapping[str, optuna.distributions.BaseDistribution]) -> Iterator[tuple[optuna.samplers.BaseSampler, dict[str, Any] | None]]:
+    """The runs after the first: other seeds and samplers, then each categorical choice and
+    each range's ends fixed in turn (the branches a conditional space takes on them)."""
+    for seed in range(1, _SEEDS + 1):
+        yield optuna.samplers.RandomSampler(seed=seed), None
+        yield optuna.samplers.TPESampler(seed=seed), None
+    for name, distribution in reference.items():
+        if isinstance(distribution, optuna.distributions.CategoricalDistribution):
+            values = list(distribution.choices)[:_MAX_CHOICES_PROBED]
+        else:
+            values = [distribution.low, distribution.high]  # type: ignore[attr-defined]
+        for value in values:
+            yield optuna.samplers.RandomSampler(seed=0), {name: value}
+
+
+def _run(
+    search_space: Callable[[optuna.Trial], Mapping[str, Any]],
+    sampler: optuna.samplers.BaseSampler,
+    fixed: dict[str, Any] | None,
+) -> dict[str, optuna.distributions.BaseDistribution]:
+    study = optuna.create_study(sampler=sampler)
+    if fixed is not None:
+        study.enqueue_trial(fixed)
+    trial = study.ask()
+    returned = search_space(trial)
+    if not isinstance(returned, Mapping) or dict(returned) != trial.params:
+        extra = sorted(set(returned) - set(trial.params)) if isinstance(returned, Mapping) else []
+        raise ConditionalSearchSpaceError(
+            "the workload's search_space returns params it does not suggest, or other values than it suggests "
+            f"({', '.join(map(str, extra)) or 'its return value'}): the service samples the suggested params only. "
+            "Derive such values in build_model, or run it with fusetune.client.optimize, which runs the space in your own process."
+        )
+    return dict(trial.distributions)
