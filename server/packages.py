@@ -17,7 +17,7 @@ It keeps the zip in the artifact store at ``packages/<digest>.zip`` (:func:`pack
 where every node reaches it, and records which tenant uploaded it in ``ft_packages``: a
 tenant may use only the packages it uploaded itself, and the same bytes uploaded by two
 tenants are one stored object with two rows. Workers run the code under Ray's
-``runtime_env``, fetching the zip by :func:`package_uri`; the scheduling loop reads a
+``runtime_env``, fetching the zip as :func:`runtime_env` says; the scheduling loop reads a
 package's metadata with :func:`manifest`.
 """
 
@@ -31,7 +31,7 @@ import zipfile
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from pathlib import Path, PureWindowsPath
+from pathlib import PureWindowsPath
 from typing import Annotated, Any, Literal
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -65,7 +65,7 @@ __all__ = [
     "manifest",
     "owned",
     "package_key",
-    "package_uri",
+    "runtime_env",
     "tenant_with_code",
     "upload",
 ]
@@ -228,16 +228,34 @@ def package_key(digest: str) -> str:
     return f"packages/{digest}.zip"
 
 
-def package_uri(settings: Settings, digest: str) -> str:
-    """The package's zip as a URI that Ray's ``runtime_env`` takes for a ``working_dir``:
-    ``file:///...`` for a local store (a path every node mounts), the store's own scheme
-    (``s3://``, ``gs://``) otherwise. Ray unpacks it with its files at the root."""
+def runtime_env(settings: Settings, digest: str) -> dict[str, Any]:
+    """The Ray ``runtime_env`` of a worker that runs the package: the zip as its
+    ``working_dir`` (Ray unpacks it with its files at the root) and its pip requirements.
+
+    A store every node reaches by URI (``s3://``, ``gs://``) is handed to Ray as it is. A
+    local store is a path on this machine: its zip is copied into the Ray cluster's GCS
+    (``workers.package.in_cluster``), from which every node fetches it through Ray, whether
+    or not it shares this filesystem. Run in the Ray driver (the scheduling loop).
+    """
+    from fusetune.workers.package import in_cluster
+    from fusetune.workers.package import runtime_env as env_of
+
     store = get_store(artifact_uri(settings))
-    location = store.location(package_key(digest))
-    if "://" not in location:
-        return Path(location).as_uri()
-    scheme, rest = location.split("://", 1)
-    return f"gs://{rest}" if scheme == "gcs" else location  # pyarrow says gcs, Ray gs
+    key = package_key(digest)
+    location = store.location(key)
+    if "://" in location and not location.startswith("file://"):
+        scheme, rest = location.split("://", 1)
+        uri = f"gs://{rest}" if scheme == "gcs" else location  # pyarrow says gcs, Ray gs
+    else:
+
+        def read() -> bytes:
+            data = store.read(key)
+            if data is None:
+                raise NotFound(f"package {digest} does not exist")
+            return data
+
+        uri = in_cluster(digest, read)
+    return env_of(uri, manifest(settings, digest).requirements)
 
 
 def manifest(settings: Settings, digest: str) -> Manifest:

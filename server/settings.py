@@ -208,6 +208,20 @@ class Settings(BaseSettings):
         description="Most bytes a code package's files may take unpacked (what workers unpack: a zip bomb "
         "is refused before any of it is written); more is a 413 naming this setting.",
     )
+    package_call_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long the scheduling loop waits for a code package's describer (the worker process "
+        "that builds the package's models on the meta device for trial signatures) to answer one call; past "
+        "it, the package's study fails. Setting up the package's environment (fetching it, installing its "
+        "requirements) does not count: the study waits for it without holding the loop.",
+    )
+    package_describers: int = Field(
+        8,
+        ge=1,
+        description="Most code packages whose describer processes live at once (each holds torch and the "
+        "package's modules); the least recently used one beyond it is stopped and started again when needed.",
+    )
     metrics_token: SecretStr | None = Field(
         None,
         description="Bearer token that GET /metrics requires (Prometheus' `authorization` credentials); "

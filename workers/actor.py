@@ -16,21 +16,24 @@ import torch
 
 import fusetune.fusion as fusion
 from fusetune.workers.memory import array_memory_model
+from fusetune.workers.package import PackageError, workload_of
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
 from fusetune.workers.training import train_array
-from fusetune.workers.workloads import get_workload
 
 
 class ArrayWorker:
     """Trains arrays on one device: a GPU (``cuda``), a TPU core (``xla``) or the CPU.
 
     Wrapped with ``ray.remote`` by :class:`workers.pool.WorkerPool`, which gives it the
-    device's resources, so Ray places exactly one worker per accelerator.
+    device's resources, so Ray places exactly one worker per accelerator. A worker started
+    for a tenant's code ``package`` (its digest) runs in that package's ``runtime_env`` and
+    trains that package's arrays only (``workers/package.py``).
     """
 
-    def __init__(self, name: str, device_type: str, num_threads: int) -> None:
+    def __init__(self, name: str, device_type: str, num_threads: int, package: str | None = None) -> None:
         self.name = name
         self.device_type = device_type
+        self.package = package
         if device_type == "cpu":
             # Ray pins OMP threads to the actor's CPUs; torch must agree or it oversubscribes,
             # and never more threads than the node has cores (Ray's CPUs may be logical).
@@ -82,14 +85,16 @@ class ArrayWorker:
         """Answered on the actor's second thread while :meth:`run` trains: the process lives."""
         return True
 
-    def memory_model(self, workload: str, params: dict[str, Any], training: TrainingSpec) -> tuple[int, int]:
+    def memory_model(self, workload: str, params: dict[str, Any], training: TrainingSpec, package: str | None = None) -> tuple[int, int]:
         """The memory model of an array of ``params``' class, ``(base, member)`` bytes
         (:func:`workers.memory.array_memory_model`), measured in this process: the control
         plane never builds or steps a tenant's model to size its arrays. Asked of an idle
         worker; one that takes an array meanwhile measures on its second thread, on the CPU,
         where what it counts (tensors, not the allocator's peak) is the array's alone.
         """
-        return array_memory_model(get_workload(workload), params, training)
+        if package is not None and package != self.package:
+            raise PackageError(f"worker {self.name} runs package {self.package}, not {package}")
+        return array_memory_model(workload_of(workload, package), params, training)
 
     def offer(self, array_id: int, members: list[MemberSpec], after_epoch: int = 0) -> None:
         """Queue newcomers for array ``array_id``: they join it at its first epoch boundary
@@ -143,6 +148,8 @@ class ArrayWorker:
         with :meth:`reply`, which the training loop waits for before it acts on the epoch's
         pruning decisions.
         """
+        if spec.package != self.package:  # the pool restarts a worker for another package first
+            raise PackageError(f"worker {self.name} runs package {self.package}, not {spec.package}")
         with self._lock:
             replies = self._replies.setdefault(spec.array_id, queue.SimpleQueue())
         training = train_array(spec, self.device, inbox=self)

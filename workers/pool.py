@@ -12,6 +12,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fusetune.workers.actor import ArrayWorker
+from fusetune.workers.package import PackageError
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class WorkerHandle:
     hung: bool = False  # killed for answering no heartbeat
     coming_up: ray.ObjectRef | None = field(default=None, repr=False)  # its first info() call, until it answers
     backend: str = "cpu"
+    package: str | None = None  # the code package its actor runs (its runtime_env); None: the service's own code
 
     @property
     def idle(self) -> bool:
@@ -198,20 +200,28 @@ class WorkerPool:
         worker.memory_bytes = int(info["memory_bytes"]) // (sharing if worker.backend == "cpu" else 1)
 
     @staticmethod
-    def _start(name: str, device_type: str, threads: int, node_id: str = "", backend: str | None = None) -> WorkerHandle:
-        """A new actor training on ``backend`` (default: ``device_type``), known to the scheduler as ``device_type``."""
+    def _start(
+        name: str, device_type: str, threads: int, node_id: str = "", backend: str | None = None,
+        package: str | None = None, env: dict[str, Any] | None = None,
+    ) -> WorkerHandle:
+        """A new actor training on ``backend`` (default: ``device_type``), known to the scheduler
+        as ``device_type``; for a code ``package``, in its runtime ``env`` (``workers/package.py``)."""
         backend = backend or device_type
         options = _options(backend, threads)
         if node_id:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        if env is not None:
+            options["runtime_env"] = env
         # Ray types .remote() of an actor class as its ActorProxy (the handle or the class
         # itself, for typing method calls); what comes back is the handle.
         actor = cast(ray.actor.ActorHandle, (
             ray.remote(ArrayWorker)
             .options(max_concurrency=2, **options)  # run + offer, release, reply, heartbeat
-            .remote(name, backend, threads)
+            .remote(name, backend, threads, package)
         ))
-        return WorkerHandle(name=name, device_type=device_type, num_threads=threads, actor=actor, node_id=node_id, backend=backend)
+        return WorkerHandle(
+            name=name, device_type=device_type, num_threads=threads, actor=actor, node_id=node_id, backend=backend, package=package
+        )
 
     @staticmethod
     def _kill(worker: WorkerHandle) -> None:
@@ -223,10 +233,25 @@ class WorkerPool:
     def idle(self) -> list[WorkerHandle]:
         return [w for w in self.workers if w.idle]
 
-    def submit(self, worker: WorkerHandle, spec: ArraySpec) -> None:
+    def submit(self, worker: WorkerHandle, spec: ArraySpec, env: dict[str, Any] | None = None) -> None:
+        """Start training ``spec`` on the idle ``worker``.
+
+        An array of a code package (``spec.package``) trains in an actor started in that
+        package's runtime ``env``: a worker that runs another package (or none) is restarted
+        in it first, on its node, and keeps it for the package's later arrays. Ray queues the
+        array's call until the new actor is up (its runtime env set up: the package fetched
+        and unpacked, its requirements installed); a setup that fails ends the array with a
+        :class:`~fusetune.workers.package.PackageError` (:meth:`wait`).
+        """
         if not worker.idle:
             assert worker.spec is not None  # submit sets a busy worker's spec with its stream
             raise RuntimeError(f"worker {worker.name} is already training array {worker.spec.array_id}")
+        if spec.package != worker.package:
+            if spec.package is not None and env is None:
+                raise ValueError(f"array {spec.array_id} runs package {spec.package}: its runtime env is needed")
+            self._kill(worker)
+            fresh = self._start(worker.name, worker.device_type, worker.num_threads, worker.node_id, worker.backend, spec.package, env)
+            worker.actor, worker.package = fresh.actor, spec.package
         worker.spec = spec
         worker.stream = worker.actor.run.remote(spec)
         worker.ping, worker.last_ping, worker.hung = None, time.monotonic(), False
@@ -305,6 +330,9 @@ class WorkerPool:
             except ray.exceptions.RayActorError as exc:
                 item = WorkerHung(f"no heartbeat in {self.heartbeat_timeout_s:.0f} s, killed") if worker.hung else exc
                 self._replace(worker)
+            except ray.exceptions.RuntimeEnvSetupError as exc:  # the package's env: its fault, not the worker's
+                item = PackageError(f"its runtime environment could not be set up on {worker.node}: {exc}")
+                self._replace(worker)
             except ray.exceptions.RayError as exc:
                 item = exc
             if not isinstance(item, EpochReport):
@@ -315,7 +343,8 @@ class WorkerPool:
     @staticmethod
     def measure_memory(worker: WorkerHandle, workload: str, params: dict[str, Any], training: TrainingSpec) -> ray.ObjectRef:
         """Start measuring, on ``worker``, the memory model of an array of ``params``' class
-        (``ArrayWorker.memory_model``); :meth:`measured` reads it without waiting."""
+        (``ArrayWorker.memory_model``) of a registered workload; :meth:`measured` reads it
+        without waiting. (A code package's is measured by its describer: ``workers/describer.py``.)"""
         return worker.actor.memory_model.remote(workload, params, training)
 
     def measured(self, ref: ray.ObjectRef) -> tuple[int, int] | None:
@@ -337,14 +366,15 @@ class WorkerPool:
         return int(base), int(member)
 
     def _replace(self, worker: WorkerHandle) -> None:
-        """A new actor for a dead one, on its node; none if the node left (or it cannot start)."""
+        """A new actor for a dead one, on its node; none if the node left (or it cannot start).
+        It runs no package: the next array of one restarts it in that package's env (:meth:`submit`)."""
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         if worker.node_id in alive or not worker.node_id:
             fresh = self._start(worker.name, worker.device_type, worker.num_threads, worker.node_id, worker.backend)
             try:
                 sharing = sum(w.node_id == worker.node_id and w.backend == "cpu" for w in self.workers)
                 self._describe(fresh, max(1, sharing))
-                worker.actor, worker.node, worker.hung = fresh.actor, fresh.node, False
+                worker.actor, worker.node, worker.hung, worker.package = fresh.actor, fresh.node, False, None
                 return
             except Exception as exc:
                 log.warning("worker %s could not be restarted on its node: %s", worker.name, exc)

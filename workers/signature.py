@@ -43,7 +43,7 @@ from fusetune.workers.spec import TrainingSpec
 if TYPE_CHECKING:
     from fusetune.workers.workloads import Workload
 
-__all__ = ["Signature", "array_settings", "canonical_json", "fusible_params", "shape_signature", "trial_signature"]
+__all__ = ["Signature", "array_settings", "canonical_json", "fusible_params", "shape_signature", "trial_signature", "unused_params"]
 
 _DIGEST_HEX_CHARS = 16  # 64 bits: collisions are negligible for the signatures one service sees
 
@@ -319,3 +319,23 @@ def trial_signature(workload: Workload, params: Mapping[str, Any], training: Tra
     digest = shape_signature(model, settings).digest
     _memo.put(key, reads.read, digest)
     return digest
+
+
+def unused_params(workload: Workload, params: Mapping[str, Any], training: TrainingSpec | None = None) -> list[str]:
+    """The params of a trial that neither its model factory nor its training recipe reads.
+
+    A search-space param that nothing reads (a typo, a knob the model lost) tunes nothing;
+    the service names it on the study and the trial instead of ignoring it. The factory
+    builds on the meta device with params that record what it looks up, and the recipe
+    (``array_settings``: the optimizer, its hyper-parameters, the LR schedule, the batch
+    size) records what it reads. A factory that iterates over the params has read them all;
+    one that cannot build from a read-recording view reports nothing.
+    """
+    model_reads, recipe_reads = _Reads(params), _Reads(params)
+    try:
+        with torch.device("meta"):
+            workload.build_model(model_reads)
+        array_settings(workload, recipe_reads, training)
+    except Exception:
+        return []
+    return sorted(set(params) - set(model_reads.read) - set(recipe_reads.read))

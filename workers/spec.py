@@ -104,6 +104,9 @@ class ArraySpec:
     # False: the class fuses by neither path (an earlier array of it could not run fused, and
     # the plain model trains): the array trains its one member as the plain model, unfused.
     fused: bool = True
+    # The digest of the tenant's code package the workload comes from (None: a registered
+    # workload): the worker runs in that package's runtime_env (workers/package.py).
+    package: str | None = None
 
 
 @dataclass(frozen=True)
@@ -185,3 +188,6 @@ class ArrayOutcome:
     # first step or evaluation and the plain model trains: the members were not failed (they
     # wait again), and the control plane trains their class unfused, in arrays of one.
     unfusible: str | None = None
+    # The tenant's code package failed to load in the worker (its traceback): the control plane
+    # fails the study, whose every array would fail the same way.
+    package_error: str | None = None

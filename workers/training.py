@@ -20,6 +20,7 @@ from fusetune.workers.checkpoints import CheckpointWriter, UnreadableCheckpoint,
 from fusetune.workers.data import ArrayData
 from fusetune.workers.evaluation import Evaluation
 from fusetune.workers.optimization import ArrayOptimizer, Recipe, optimizer_kwargs, resolve
+from fusetune.workers.package import PackageError, workload_of
 from fusetune.workers.spec import (
     ArrayOutcome,
     ArraySpec,
@@ -32,7 +33,7 @@ from fusetune.workers.spec import (
 )
 from fusetune.workers.store import ArtifactStore, get_store
 from fusetune.workers.unfused import NotFused, Unfused, where_it_failed
-from fusetune.workers.workloads import Batch, Metric, Workload, get_workload
+from fusetune.workers.workloads import Batch, Metric, Workload
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +376,7 @@ class ArrayRun:
         fused model and its optimizer."""
         clock = time.perf_counter()
         spec, members = self.spec, self.members
-        self.workload = workload = get_workload(spec.workload)
+        self.workload = workload = workload_of(spec.workload, spec.package)
         self.batch_size = workload.batch_size_for(members[0].params)
         # The data order is the array's members' (the first's number), not the array id's,
         # which depends on how the database numbered earlier arrays.
@@ -701,6 +702,8 @@ class ArrayRun:
     def fail(self, exc: Exception) -> None:
         """The array fails as a whole: every member still training records why."""
         self.outcome.error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, PackageError):  # the tenant's code: its study fails, not just these members
+            self.outcome.package_error = str(exc)
         # Out of memory: the control plane splits the array and retries the halves, which
         # resume from the members' checkpoints; any other error fails the members.
         self.outcome.oom = is_out_of_memory(exc)

@@ -25,6 +25,7 @@ database, Optuna and the worker pool.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -41,6 +42,7 @@ from fusetune.server.loop.context import LoopContext
 from fusetune.server.loop.dispatch import Dispatcher
 from fusetune.server.loop.lifecycle import Lifecycle
 from fusetune.server.loop.mirrors import Mirrors
+from fusetune.server.loop.packages import PackageRuntime
 from fusetune.server.loop.recorder import Recorder
 from fusetune.server.loop.state import LoopState
 from fusetune.server.loop.thread import LoopThread
@@ -55,6 +57,8 @@ __all__ = ["SchedulingLoop"]
 _T = TypeVar("_T")
 #: While a client's pruning decisions are awaited, the loop looks at its inbox this often.
 _DECISION_POLL_S = 0.01
+
+log = logging.getLogger(__name__)
 
 
 class SchedulingLoop:
@@ -78,14 +82,15 @@ class SchedulingLoop:
         )
         self.thread = LoopThread(self.turn, settings.poll_interval_s, settings.db_retry_s)
         storage = get_optuna_storage(settings.database_url)
+        packages = PackageRuntime(settings)
         self.ctx = LoopContext(
-            settings, pool, storage, LoopState(), Mirrors(storage, settings, lambda: len(pool.workers)),
-            get_loop_sessionmaker(settings.database_url), self.thread.wake,
+            settings, pool, storage, LoopState(), Mirrors(storage, settings, lambda: len(pool.workers), packages),
+            get_loop_sessionmaker(settings.database_url), self.thread.wake, packages,
         )
-        self.throughput = Throughput(settings, pool, self.scheduler)
+        self.throughput = Throughput(settings, pool, self.scheduler, packages)
         self.lifecycle = Lifecycle(self.ctx)
         self.recorder = Recorder(self.ctx, self.throughput, self.lifecycle)
-        self.asker = Asker(self.ctx, self.lifecycle)
+        self.asker = Asker(self.ctx, self.lifecycle, self.recorder.notices)
         self.dispatcher = Dispatcher(self.ctx, self.scheduler, self.throughput)
         #: The fencing epoch this scheduler took (server/fencing.py), once set up.
         self.epoch: int | None = None
@@ -148,6 +153,10 @@ class SchedulingLoop:
         self.thread.stop()
         if self.ctx.purger is not None:
             self.ctx.purger.stop()
+        try:
+            self.ctx.packages.shutdown()  # the describers: the loop's own actors, not the pool's
+        except Exception as exc:  # Ray may be down already
+            log.warning("the code packages' describers could not be stopped: %s", exc)
 
     def wake(self) -> None:
         """Run a scheduling step now (a study was created), not at the next poll."""

@@ -8,6 +8,15 @@ on the study's mirror, and the trials it asks are inserted in one transaction, e
 fusion key (``workers/signature.py``); a model that cannot be built with a trial's params, or
 a recipe that cannot be used, fails that trial there, with its error. A study whose sampler
 or workload raises fails alone (:meth:`Asker.ask_alone`).
+
+A study of a tenant's code package is asked from its manifest's static distributions, and
+its trials' fusion keys come from the package's describer (``server/loop/packages.py``):
+its code never runs here. It is not asked until its describer has loaded the package; a
+package that fails to load fails its study, with the traceback.
+
+A param that neither a trial's model factory nor its training recipe reads tunes nothing (a
+typo in the space): the trial names it in its user attr ``unused_params`` and the study
+gets a warning.
 """
 
 from __future__ import annotations
@@ -29,24 +38,39 @@ from fusetune.server.loop import rows
 from fusetune.server.loop.context import LoopContext
 from fusetune.server.loop.lifecycle import Lifecycle
 from fusetune.server.loop.mirrors import group_size
+from fusetune.server.loop.notices import StudyWarnings
 from fusetune.server.loop.thread import database_unavailable
+from fusetune.server.mirror import AskedTrial
 from fusetune.server.schemas import parse_search_space
-from fusetune.workers.signature import trial_signature
-from fusetune.workers.workloads import get_workload
+from fusetune.workers.describer import Described
+from fusetune.workers.package import PackageError
+from fusetune.workers.signature import trial_signature, unused_params
+from fusetune.workers.workloads import Workload, get_workload
 
 __all__ = ["Asker"]
 
 log = logging.getLogger(__name__)
 
+#: The trial user attr that names the params nothing reads.
+UNUSED_ATTR = "unused_params"
+
+
+def _not_run(trial: Any) -> Mapping[str, Any]:
+    raise RuntimeError("a package study is asked from its static distributions: its space never runs here")
+
 
 class Asker:
     """Asks the studies' samplers for trials (see the module docstring)."""
 
-    def __init__(self, ctx: LoopContext, lifecycle: Lifecycle) -> None:
+    def __init__(self, ctx: LoopContext, lifecycle: Lifecycle, notices: StudyWarnings) -> None:
         self.ctx = ctx
         self.settings = ctx.settings
         self.mirrors = ctx.mirrors
         self.lifecycle = lifecycle
+        self.notices = notices
+        # A registered workload's unused params, per study and set of param names: the model
+        # is built again to find them, once per shape of trial rather than per trial.
+        self._unused: dict[tuple[int, frozenset[str]], list[str]] = {}
 
     def capacity(self) -> int:
         """How many trials the devices can train at once: the most waiting trials worth asking for."""
@@ -63,7 +87,7 @@ class Asker:
         wanted = min(study.n_trials - asked, (self.settings.ask_batch or self.capacity()) - waiting)
         if study.max_concurrent_trials is not None:
             wanted = min(wanted, study.max_concurrent_trials - unfinished)
-        if wanted <= 0 or not self.lifecycle.workload_loads(session, study):
+        if wanted <= 0 or not self.lifecycle.workload_loads(session, study) or not self._code_ready(session, study):
             return False
         asking = min(wanted, groups * group_size(study, self.settings, len(self.ctx.pool.workers))) if groups else wanted
         try:
@@ -74,6 +98,15 @@ class Asker:
             self.mirrors.drop(study.id)  # what it asked was not written: reload from the database
             raise
         return wanted > asking
+
+    def _code_ready(self, session: Session, study: Study) -> bool:
+        """Whether the study's code package has loaded in its describer (a registered
+        workload's is always ready); one that failed to load fails the study, with its error."""
+        try:
+            return self.ctx.packages.ready(study)
+        except PackageError as exc:
+            self.lifecycle.fail(session, study, str(exc))
+            return False
 
     def ask_alone(self, session: Session, study: Study, groups: int = 0) -> bool:
         """:meth:`_ask`, so that a study whose sampler (or workload) raises fails alone, with its
@@ -121,22 +154,31 @@ class Asker:
     def _ask_into(self, session: Session, study: Study, wanted: int) -> list[int]:
         """Ask ``wanted`` trials (enqueued ones first, as Optuna does) into the caller's
         transaction; returns their fusetune ids, in order."""
-        workload = get_workload(study.workload)
+        workload = None if study.package is not None else get_workload(study.workload)
         mirror = self.mirrors.of(study)
         distributions = parse_search_space(study.search_space) if study.search_space else None
+        asked = mirror.ask(session, wanted, workload.search_space if workload is not None else _not_run, distributions)
+        described = iter(self._describe(study, workload, [t for t in asked if t.error is None]))
         new: list[dict[str, Any]] = []  # the trials' rows
-        for trial in mirror.ask(session, wanted, workload.search_space, distributions):
+        unused: set[str] = set()
+        for trial in asked:
             row = {"study_id": study.id, "optuna_trial_id": trial.trial_id, "number": trial.number, "params": trial.params,
                    "signature": "", "state": TrialState.WAITING, "error": trial.error, "completed_at": None}
             if trial.error is None:
-                try:
-                    row["signature"] = trial_signature(workload, trial.params, study.config.training)
-                except Exception as exc:  # the workload's model rejected these params
-                    row["error"] = f"{type(exc).__name__}: {exc}"
+                row["signature"], row["error"], names = next(described)
+                if row["error"] is not None:  # the workload's model rejected these params
                     mirror.tell(session, trial.trial_id, OptunaState.FAIL)
+                elif names:
+                    mirror.set_user_attrs(session, trial.trial_id, {UNUSED_ATTR: names})
+                    unused.update(names)
             if row["error"] is not None:
                 row["state"], row["completed_at"] = TrialState.FAIL, utcnow()
             new.append(row)
+        if unused:
+            self.notices.add(session, study.id, [
+                f"params {sorted(unused)} are read by neither the model factory nor the training recipe: they tune "
+                f"nothing (a typo in the search space?); each trial names them in its user attr {UNUSED_ATTR!r}"
+            ])
         if not new:
             return []
         # One statement for the batch (the unit of work's flush of 64 trials cost more than
@@ -149,3 +191,24 @@ class Asker:
             if row["state"] == TrialState.FAIL:
                 events.record(session, "trial.ended", **where, state="FAIL", value=None, error=row["error"])
         return ids
+
+    def _describe(self, study: Study, workload: Workload | None, trials: list[AskedTrial]) -> list[Described]:
+        """Each trial's fusion key, the error its model's factory raised, and its unused params:
+        from the package's describer, or (a registered workload) built here on the meta device."""
+        training = study.config.training
+        if workload is None:
+            return self.ctx.packages.describe(study, [t.params for t in trials], training)
+        out: list[Described] = []
+        for trial in trials:
+            try:
+                signature = trial_signature(workload, trial.params, training)
+            except Exception as exc:  # the workload's model rejected these params
+                out.append(("", f"{type(exc).__name__}: {exc}", []))
+                continue
+            key = (study.id, frozenset(trial.params))
+            if key not in self._unused:
+                if len(self._unused) > 4096:  # studies come and go: a bound, not an eviction policy
+                    self._unused.clear()
+                self._unused[key] = unused_params(workload, trial.params, training)
+            out.append((signature, None, self._unused[key]))
+        return out

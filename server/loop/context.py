@@ -1,5 +1,5 @@
 """What every part of the scheduling loop shares: its settings, its workers, its sessions,
-the state it keeps of the arrays it runs and the studies' mirrors. One object, made by the
+the state it keeps of the arrays it runs, the studies' mirrors and the code packages' runtime. One object, made by the
 loop's facade (``server/loop/__init__.py``) and handed to each part."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import optuna
 from sqlalchemy.orm import Session, sessionmaker
 
 from fusetune.server.loop.mirrors import Mirrors
+from fusetune.server.loop.packages import PackageRuntime
 from fusetune.server.loop.state import LoopState
 from fusetune.server.purge import Purge, StudyPurger
 from fusetune.server.settings import Settings
@@ -31,6 +32,7 @@ class LoopContext:
     mirrors: Mirrors
     sessions: sessionmaker[Session]
     wake: Callable[[], None]
+    packages: PackageRuntime
     purger: StudyPurger | None = None
 
     def purge(self, purge: Purge, *, now: bool = False) -> None:

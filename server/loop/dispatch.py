@@ -440,10 +440,13 @@ class Dispatcher:
             training=study.config.training,
             reply_timeout_s=self.settings.prune_reply_timeout_s,
             fused=self.throughput.unfusible(class_of(trials[0])) is None,
+            package=study.package,
         )
+        # A code package's workers run in its runtime env (its zip put where Ray fetches it).
+        env = self.ctx.packages.env(study.package) if study.package is not None else None
         session.commit()
         try:
-            self.ctx.pool.submit(worker, spec)
+            self.ctx.pool.submit(worker, spec, env)
         except Exception as exc:
             self._unstart(study, array_id, [t.id for t in trials], f"the array could not start on {worker.name}: {exc}")
             raise

@@ -249,7 +249,10 @@ class Lifecycle:
             self._release(worker, going_on)
 
     def workload_loads(self, session: Session, study: Study) -> bool:
-        """Whether the study's workload can be loaded; if not, the study ends FAILED with the error."""
+        """Whether the study's workload can be loaded; if not, the study ends FAILED with the error.
+        (A code package's is loaded by its describer, never here: ``Asker._code_ready``.)"""
+        if study.package is not None:
+            return True
         try:
             get_workload(study.workload)
         except Exception as exc:  # unknown, an entry point or module that fails to import, ...

@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from sqlalchemy.orm import Session
@@ -27,6 +27,9 @@ from fusetune.server.mirror import CreatedStudy, StudyMirror
 from fusetune.server.optuna_specs import SpecError, SpecLimits, check_stored, make_pruner, make_sampler, service_sampler_kwargs
 from fusetune.server.schemas import parse_search_space
 from fusetune.server.settings import Settings
+
+if TYPE_CHECKING:
+    from fusetune.server.loop.packages import PackageRuntime
 from fusetune.workers.samplers import FusionSampler, non_fusible_params
 from fusetune.workers.signature import trial_signature
 from fusetune.workers.workloads import get_workload
@@ -54,7 +57,9 @@ def group_size(study: Study, settings: Settings, devices: int) -> int:
     return max(1, min(cap, math.ceil(batch / max(1, devices))))
 
 
-def study_sampler(study: Study, settings: Settings, devices: int = 1) -> optuna.samplers.BaseSampler:
+def study_sampler(
+    study: Study, settings: Settings, devices: int = 1, packages: PackageRuntime | None = None
+) -> optuna.samplers.BaseSampler:
     """The sampler the service asks a study's trials from, built from the study's spec.
 
     Unless the study opted out (``fusion_sampler``), it is a :class:`FusionSampler` around
@@ -68,18 +73,24 @@ def study_sampler(study: Study, settings: Settings, devices: int = 1) -> optuna.
     sampler = make_sampler(name, service_sampler_kwargs(name, config.sampler.get("kwargs") or {}), SpecLimits.of(settings))
     if not config.fusion_sampler:
         return sampler
-    workload = get_workload(study.workload)
     # Deriving them probes ~150 signatures (0.5 s on the 2-core machine): once per workload
     # and space in a process, not once per study, or every study's first array waits for it.
     # A study's epochs are the same for all its trials, so they never change the answer.
-    key = (study.workload, json.dumps(study.search_space, sort_keys=True))
+    # A package's code is found by its digest (two tenants' workloads may share a name), and
+    # runs in its describer, never here.
+    key = (study.package or study.workload, json.dumps(study.search_space, sort_keys=True))
+    distributions = parse_search_space(study.search_space) if study.search_space else None
     try:
         if key not in _NON_FUSIBLE:
-            _NON_FUSIBLE[key] = non_fusible_params(
-                workload,
-                distributions=parse_search_space(study.search_space) if study.search_space else None,
-                signature=lambda params: trial_signature(workload, params),
-            )
+            if study.package is not None:
+                if packages is None or distributions is None:
+                    raise ValueError("a package study needs its package's runtime and its search space")
+                _NON_FUSIBLE[key] = packages.non_fusible(study, distributions)
+            else:
+                workload = get_workload(study.workload)
+                _NON_FUSIBLE[key] = non_fusible_params(
+                    workload, distributions=distributions, signature=lambda params: trial_signature(workload, params),
+                )
         return FusionSampler(sampler, non_fusible=_NON_FUSIBLE[key], group_size=group_size(study, settings, devices))
     except ValueError as exc:
         # No probe of the space built a model: its trials will fail one by one with their
@@ -105,7 +116,10 @@ class Mirrors:
         devices: how many devices there are now (FusionSampler's group size).
     """
 
-    def __init__(self, storage: optuna.storages.RDBStorage, settings: Settings, devices: Any) -> None:
+    def __init__(
+        self, storage: optuna.storages.RDBStorage, settings: Settings, devices: Any, packages: PackageRuntime | None = None
+    ) -> None:
+        self.packages = packages
         self.storage = storage
         self.settings = settings
         self._devices = devices
@@ -135,7 +149,7 @@ class Mirrors:
         """The study's Optuna study in memory, loaded from the database once per process."""
         if study.id not in self._mirrors:
             config = study.config
-            sampler = study_sampler(study, self.settings, self._devices())
+            sampler = study_sampler(study, self.settings, self._devices(), self.packages)
             pruner = (
                 make_pruner(config.pruner["name"], config.pruner.get("kwargs"), SpecLimits.of(self.settings))
                 if config.pruner else optuna.pruners.NopPruner()

@@ -43,6 +43,7 @@ from fusetune.server.loop.state import LOOKAHEAD_EPOCHS, Awaiting, Live
 from fusetune.server.loop.thread import database_unavailable
 from fusetune.server.loop.throughput import Throughput
 from fusetune.server.mirror import StudyMirror
+from fusetune.workers.package import PackageError
 from fusetune.workers.pool import Event, WorkerHandle
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport
 
@@ -448,7 +449,8 @@ class Recorder:
                 rows.never_joined(session, array.id)
                 # Members still running when the array ended: those whose worker died resume
                 # from their checkpoint (at most _MAX_RESUMES times); the others fail with the error.
-                died = not isinstance(result, ArrayOutcome)
+                # A code package whose env or code failed: the tenant's fault, not the worker's.
+                died = not isinstance(result, (ArrayOutcome, PackageError))
                 # Out of memory: the class's arrays on this device type are capped at half this
                 # size from now on, and the members wait again for the halves. A model that fuses
                 # by neither path: its class trains unfused from now on, one member per array.
@@ -474,6 +476,7 @@ class Recorder:
                     events.record(session, "trial.ended", **where, trial_id=trial.id, state="FAIL", value=None, error=trial.error)
                 events.record(session, "array.ended", **where, state=array.state.value, error=array.error, requeued=requeued)
                 session.commit()
+                self._fail_package_study(session, array.study_id, result)
             except Exception:
                 session.rollback()
                 self.notices.rolled_back()
@@ -483,6 +486,16 @@ class Recorder:
                     self.mirrors.drop(array.study_id)
                 raise
         log.info("array %d ended: %s", spec.array_id, array.state.value)
+
+    def _fail_package_study(self, session: Session, study_id: int, result: ArrayOutcome | BaseException) -> None:
+        """An array whose code package failed to set up or load fails its study with the error:
+        every array of it would fail the same way."""
+        failure = result.package_error if isinstance(result, ArrayOutcome) else str(result) if isinstance(result, PackageError) else None
+        if failure is None:
+            return
+        study = session.get(Study, study_id)
+        if study is not None and study.state in (StudyState.RUNNING, StudyState.PAUSED):
+            self.lifecycle.fail(session, study, failure)
 
     def _unfuse(self, session: Session, array: Array, result: ArrayOutcome | BaseException) -> bool:
         """Whether the array ended because its model fuses by neither path (its members wait

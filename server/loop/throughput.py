@@ -25,6 +25,7 @@ from fusetune.scheduler import Scheduler, fit_points
 from fusetune.server import mirror
 from fusetune.server.db import Array, Study
 from fusetune.server.loop import rows
+from fusetune.server.loop.packages import PackageRuntime
 from fusetune.server.settings import Settings
 from fusetune.workers.pool import WorkerHandle, WorkerPool
 from fusetune.workers.spec import ArrayOutcome, EpochReport, TrainingSpec
@@ -41,9 +42,10 @@ UNFUSIBLE_ATTR = "fusetune:unfusible"
 class Throughput:
     """Measured speeds, out-of-memory caps and memory models (see the module docstring)."""
 
-    def __init__(self, settings: Settings, pool: WorkerPool, scheduler: Scheduler) -> None:
+    def __init__(self, settings: Settings, pool: WorkerPool, scheduler: Scheduler, packages: PackageRuntime) -> None:
         self.settings = settings
         self.pool = pool
+        self.packages = packages
         self.scheduler = scheduler
         # Measured models·steps/s by (signature, device type) and B: ft_throughput, in memory.
         self.points: dict[tuple[str, str], dict[int, float]] = {}
@@ -191,7 +193,11 @@ class Throughput:
         pending = self._memory_pending.get(signature)
         if pending is None:
             training: TrainingSpec = study.config.training
-            ref = self.pool.measure_memory(worker, study.workload, rows.params_of(session, trial_id), training)
+            params = rows.params_of(session, trial_id)
+            if study.package is not None:  # measured in the package's describer, where its code runs
+                ref = self.packages.measure_memory(study, params, training)
+            else:
+                ref = self.pool.measure_memory(worker, study.workload, params, training)
             self._memory_pending[signature] = (ref, time.monotonic())
             return None
         ref, since = pending

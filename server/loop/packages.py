@@ -1,0 +1,138 @@
+"""The loop's side of tenants' code packages: their runtime envs and their describers.
+
+A study of an uploaded workload (``Study.package``, a digest) never runs its code here. Its
+arrays train in workers started in the package's Ray ``runtime_env``
+(:meth:`PackageRuntime.env`, handed to ``WorkerPool.submit``), and what the loop needs of its
+models (trial signatures, the params that change them, the params nothing reads, a memory
+model) comes from the package's describer, a Ray actor in the same env
+(``workers/describer.py``), in plain data.
+
+A study is not asked until its describer has loaded the package (:meth:`ready`): setting up
+the env (fetching the zip, installing requirements) takes what it takes, and the loop goes on
+with every other study meanwhile. A package whose env or code fails there fails its study,
+with the traceback, and nothing else. Once ready, each call waits at most
+``package_call_timeout_s`` (a describer that hangs fails its study, not the loop).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from fusetune.server import packages
+from fusetune.server.db import Study
+from fusetune.server.settings import Settings
+from fusetune.workers.describer import Described, PackageDescriber
+from fusetune.workers.package import PackageError
+from fusetune.workers.spec import TrainingSpec
+
+__all__ = ["PackageRuntime"]
+
+log = logging.getLogger(__name__)
+
+
+class _Describer:
+    """One package's describer actor and its first call, the package's check."""
+
+    def __init__(self, digest: str, env: dict[str, Any]) -> None:
+        # Any: Ray types .remote() of a class as its ActorProxy, whose methods mypy reads as plain.
+        actor: Any = ray.remote(PackageDescriber).options(num_cpus=0, runtime_env=env).remote(digest)
+        self.actor = actor
+        self.checked: ray.ObjectRef = self.actor.check.remote()  # the package loads (or its traceback)
+        self.ok = False
+
+
+class PackageRuntime:
+    """Runtime envs and describers of the packages the running studies use (see the module docstring)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._describers: OrderedDict[str, _Describer] = OrderedDict()  # least recently used first
+
+    def env(self, digest: str) -> dict[str, Any]:
+        """The runtime env of a worker that runs the package (its zip put where Ray fetches it)."""
+        return packages.runtime_env(self.settings, digest)
+
+    def _describer(self, digest: str) -> _Describer:
+        found = self._describers.get(digest)
+        if found is None:
+            found = self._describers[digest] = _Describer(digest, self.env(digest))
+            while len(self._describers) > self.settings.package_describers:
+                _, old = self._describers.popitem(last=False)
+                ray.kill(old.actor, no_restart=True)
+        self._describers.move_to_end(digest)
+        return found
+
+    def ready(self, study: Study) -> bool:
+        """Whether the study's package has loaded in its describer (True for a registered workload).
+
+        Raises:
+            PackageError: its env could not be set up, or its code failed to load (the traceback).
+        """
+        if study.package is None:
+            return True
+        describer = self._describer(study.package)
+        if describer.ok:
+            return True
+        done, _ = ray.wait([describer.checked], timeout=0)
+        if not done:
+            return False
+        self._get(study.package, describer.checked, "load its workload")
+        describer.ok = True
+        return True
+
+    def describe(self, study: Study, params: Sequence[Mapping[str, Any]], training: TrainingSpec | None) -> list[Described]:
+        """Each trial's signature, error and unused params (``PackageDescriber.describe``)."""
+        assert study.package is not None
+        actor = self._describer(study.package).actor
+        return list(self._get(study.package, actor.describe.remote([dict(p) for p in params], training), "describe its trials"))
+
+    def non_fusible(self, study: Study, distributions: Mapping[str, Any]) -> frozenset[str]:
+        """The params of the study's space that change its trials' signatures.
+
+        Raises:
+            ValueError: no probe of the space built a model (as ``non_fusible_params``).
+        """
+        assert study.package is not None
+        actor = self._describer(study.package).actor
+        found = self._get(study.package, actor.non_fusible.remote(dict(distributions)), "find its non-fusible params")
+        if isinstance(found, str):
+            raise ValueError(found)
+        return frozenset(found)
+
+    def measure_memory(self, study: Study, params: dict[str, Any], training: TrainingSpec) -> ray.ObjectRef:
+        """Start measuring the memory model of an array of these params' class (read with
+        ``WorkerPool.measured``)."""
+        assert study.package is not None
+        return self._describer(study.package).actor.memory_model.remote(params, training)
+
+    def _get(self, digest: str, ref: ray.ObjectRef, doing: str) -> Any:
+        timeout = self.settings.package_call_timeout_s
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            self._forget(digest)
+            raise PackageError(f"its code package {digest[:12]} did not {doing} in {timeout:.0f} s "
+                               "(FUSETUNE_PACKAGE_CALL_TIMEOUT_S)") from None
+        except ray.exceptions.RuntimeEnvSetupError as exc:
+            self._forget(digest)
+            raise PackageError(f"its code package {digest[:12]}'s runtime environment could not be set up: {exc}") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            raise PackageError(f"its code package {digest[:12]} failed to {doing}: {cause}") from None
+        except ray.exceptions.RayActorError as exc:
+            self._forget(digest)
+            raise PackageError(f"its code package {digest[:12]}'s describer died: {exc}") from None
+
+    def _forget(self, digest: str) -> None:
+        describer = self._describers.pop(digest, None)
+        if describer is not None:
+            ray.kill(describer.actor, no_restart=True)
+
+    def shutdown(self) -> None:
+        for digest in list(self._describers):
+            self._forget(digest)

@@ -1,0 +1,270 @@
+"""Bring your own model: a workload from a test's temporary module, trained by a live service.
+
+The service is ``fusetune serve`` in a process of its own (uvicorn, its scheduling loop, its
+own local Ray). The workload lives in a module written to a temporary folder that is neither
+installed nor on the service's path; the client packages it (``fusetune.client.package``),
+uploads it, and the service's workers run it in the package's Ray ``runtime_env``. Every
+process that imports the module or builds its model writes its pid to a marker file: the
+service's process never appears there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import secrets
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import optuna
+import pytest
+import torch
+
+import fusetune.client as ft
+from fusetune.client import Client
+from tests.faults import ServiceProcess
+
+pytestmark = pytest.mark.slow
+
+SEED = 11
+#: The module: a digits MLP whose import and model factory leave the pid of their process.
+MODULE = '''
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from fusetune import Metric, Workload
+
+MARKER = {marker!r}
+
+
+def _note(what):
+    with open(MARKER, "a") as f:
+        f.write(f"{{os.getpid()}} {{what}}\\n")
+
+
+_note("import")
+
+
+def build(params):
+    _note("build")
+    return nn.Sequential(nn.Linear(64, int(params.get("hidden", 32))), nn.ReLU(), nn.Linear(int(params.get("hidden", 32)), 10))
+
+
+def space(trial):
+    return {{"lr": trial.suggest_float("lr", 0.02, 0.3, log=True), "momentum": trial.suggest_float("momentum", 0.0, 0.9)}}
+
+
+def data():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    return TensorDataset(x[:1400], y[:1400]), TensorDataset(x[1400:], y[1400:])
+
+
+def accuracy(out, y):
+    return (out.argmax(-1) == y).float().mean().item()
+
+
+WORKLOAD = Workload(
+    name={name!r}, build_model=build, search_space=space, datasets=data, loss=F.cross_entropy, metric=accuracy,
+    metrics=(Metric("accuracy", accuracy),), optimizer="SGD", optimizer_defaults={{"lr": 0.1, "momentum": 0.9}},
+    batch_size=128,
+)
+'''
+
+
+def write_module(folder: Path, marker: Path, name: str = "byo-mlp") -> str:
+    """A fresh module (a name of its own: nothing imported it before) in ``folder``; its name."""
+    module = f"byo_{uuid.uuid4().hex[:8]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{module}.py").write_text(MODULE.format(marker=str(marker), name=name))
+    return module
+
+
+def imported(folder: Path, module: str) -> ModuleType:
+    """The module, imported in this (the client's) process."""
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(folder))
+
+
+def pids(marker: Path, what: str) -> set[int]:
+    if not marker.exists():
+        return set()
+    return {int(line.split()[0]) for line in marker.read_text().splitlines() if line.split()[1] == what}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    root = tmp_path_factory.mktemp("byo")
+    env = {
+        "FUSETUNE_DATABASE_URL": f"sqlite:///{root / 'fusetune.db'}",
+        "FUSETUNE_ARTIFACT_DIR": str(root / "artifacts"),
+        "FUSETUNE_MAX_ARRAY_SIZE": "4",
+        "FUSETUNE_CPU_WORKERS": "1",
+    }
+    server = ServiceProcess(env, root / "service.log", secrets.token_urlsafe(24)).start()
+    try:
+        server.healthy()
+        with Client(server.url, token=server.admin_token) as admin:
+            admin.set_code_upload("default", True)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def token(service: ServiceProcess) -> str:
+    return service.token()
+
+
+def ended(client: Client, study_id: int) -> dict:
+    return client.wait(study_id, timeout=600)
+
+
+def test_a_workload_object_trains_fused_in_workers_as_plain_torch_does_and_never_in_the_server(
+    service: ServiceProcess, token: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / "marker"
+    module = imported(tmp_path / "code", write_module(tmp_path / "code", marker))
+    study = ft.create_study(
+        workload=module.WORKLOAD, n_trials=4, epochs=2, sampler=optuna.samplers.RandomSampler(seed=SEED),
+        url=service.url, token=token,
+    )
+    with Client(service.url, token=token) as client:
+        (row,) = [s for s in client.studies() if s["name"] == study.study_name]
+        done = ended(client, row["id"])
+        assert done["state"] == "COMPLETE", done
+        assert done["package"] and done["package_url"] == f"/api/v1/packages/{done['package']}"
+        trials = client.trials(row["id"])
+        (array,) = {t["array_id"] for t in trials}  # one array of the four: fused
+        weights = {t["number"]: torch.load(_bytes(client.download_state_dict(t["id"])), weights_only=True) for t in trials}
+    assert all(t["state"] == "COMPLETE" for t in trials)
+    # The client imported the module (and built nothing); the describer and the worker built its
+    # models; the service's own process did neither.
+    assert pids(marker, "import") == {__import__("os").getpid()}
+    builders = pids(marker, "build")
+    assert builders and service.proc is not None and service.proc.pid not in builders and __import__("os").getpid() not in builders
+    # Each member's weights are plain torch's: its model seeded as the worker seeds it, SGD
+    # with its params, the array's one data order.
+    seed = done["sampler"]["kwargs"]["seed"]  # the study's training seed: its sampler's, as stored
+    for t in trials:
+        plain = plain_training(module.WORKLOAD, t["params"], seed=seed + t["number"], order_seed=seed, epochs=2)
+        for name, tensor in plain.items():
+            torch.testing.assert_close(weights[t["number"]][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def _bytes(data: bytes) -> object:
+    import io
+
+    return io.BytesIO(data)
+
+
+def plain_training(workload: object, params: dict, seed: int, order_seed: int, epochs: int) -> dict[str, torch.Tensor]:
+    """The member trained alone with torch: the model from ``seed``, SGD, the batches in the
+    array's order (a permutation per epoch from ``order_seed``)."""
+    wl = workload  # a fusetune Workload
+    torch.manual_seed(seed)
+    model = wl.build_model(params)  # type: ignore[attr-defined]
+    opt = torch.optim.SGD(model.parameters(), lr=params["lr"], momentum=params["momentum"])
+    (x, y), _ = (d.tensors for d in wl.datasets())  # type: ignore[attr-defined]
+    order = torch.Generator().manual_seed(order_seed)
+    for _ in range(epochs):
+        perm = torch.randperm(len(y), generator=order)
+        for begin in range(0, len(y), wl.batch_size):  # type: ignore[attr-defined]
+            idx = perm[begin : begin + wl.batch_size]  # type: ignore[attr-defined]
+            opt.zero_grad()
+            wl.loss(model(x[idx]), y[idx]).backward()  # type: ignore[attr-defined]
+            opt.step()
+    return model.state_dict()
+
+
+def test_optimize_and_the_cli_train_a_module_path_in_a_folder(service: ServiceProcess, token: str, tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    code = tmp_path / "code"
+    module = write_module(code, marker, name="byo-path")
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=1))
+    ft.optimize(study, f"{module}:WORKLOAD", n_trials=3, code=code, epochs=2, url=service.url, token=token)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3, [(t.state, t.user_attrs, t.system_attrs) for t in study.trials]
+    assert all(0.1 < t.value <= 1.0 for t in study.trials), [t.value for t in study.trials]  # above chance
+    # The same folder through the CLI: a sweep file naming the module path.
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"workload": f"{module}:WORKLOAD", "n_trials": 2, "epochs": 1, "name": f"cli-{uuid.uuid4().hex[:6]}"}))
+    done = subprocess.run(
+        [sys.executable, "-m", "fusetune.server.cli", "submit", str(sweep), "--code", str(code), "--url", service.url, "--token", token],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    created = json.loads(done.stdout)
+    with Client(service.url, token=token) as client:
+        assert ended(client, created["id"])["state"] == "COMPLETE"
+        assert created["package"] == client.study(created["id"])["package"]
+    assert service.proc is not None and service.proc.pid not in pids(marker, "import") | pids(marker, "build")
+
+
+def test_broken_code_fails_its_own_study_with_the_traceback_and_no_other(service: ServiceProcess, token: str, tmp_path: Path) -> None:
+    good = imported(tmp_path / "good", write_module(tmp_path / "good", tmp_path / "marker", name="byo-good"))
+    with Client(service.url, token=token) as client:
+        healthy = ft.create_study(workload=good.WORKLOAD, n_trials=2, epochs=1, url=service.url, token=token)
+        bad = _study_of_failing_entry(client, tmp_path)
+        failed = ended(client, bad["id"])
+        assert failed["state"] == "FAILED"
+        assert "Traceback" in failed["error"] and "the tenant's module is broken" in failed["error"], failed["error"]
+        (row,) = [s for s in client.studies() if s["name"] == healthy.study_name]
+        assert ended(client, row["id"])["state"] == "COMPLETE"
+
+
+def _study_of_failing_entry(client: Client, tmp_path: Path) -> dict:
+    """A study whose package's entry module raises when the workers import it: its manifest
+    is made by hand (the client would have to import it, and it raises)."""
+    from fusetune.client._package import _zip, workload_metadata
+
+    code = tmp_path / "failing"
+    marker = tmp_path / "failing-marker"
+    module = write_module(code, marker, name="byo-failing")
+    workload = imported(code, module).WORKLOAD
+    source = (code / f"{module}.py").read_text() + '\nraise RuntimeError("the tenant\'s module is broken on the workers")\n'
+    manifest = {
+        "format": 1, "entry": f"{module}:WORKLOAD", "pickle": None, "workload": workload_metadata(workload),
+        "search_space": {"lr": json.loads(optuna.distributions.distribution_to_json(optuna.distributions.FloatDistribution(0.01, 0.1)))},
+        "requirements": [], "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+    data = _zip({f"{module}.py": source.encode(), "fusetune.json": json.dumps(manifest).encode()})
+    pkg = ft.Package(__import__("hashlib").sha256(data).hexdigest(), data, manifest)
+    client.ensure_package(pkg)
+    return client.submit({"workload": "byo-failing", "package": pkg.digest, "n_trials": 2, "epochs": 1})
+
+
+def test_code_upload_is_the_admins_to_grant_and_the_same_code_is_stored_once(service: ServiceProcess, tmp_path: Path) -> None:
+    module = imported(tmp_path / "code", write_module(tmp_path / "code", tmp_path / "marker", name="byo-once"))
+    tenant = f"t{uuid.uuid4().hex[:6]}"
+    with Client(service.url, token=service.admin_token) as admin:
+        admin.create_tenant(tenant)
+        other = admin.create_token(tenant, label="byo")["token"]
+    with pytest.raises(PermissionError, match="code_upload"):
+        ft.create_study(workload=module.WORKLOAD, n_trials=1, epochs=1, url=service.url, token=other)
+    pkg = ft.package(module.WORKLOAD)
+    stored = Path(service.env["FUSETUNE_ARTIFACT_DIR"]) / "packages" / f"{pkg.digest}.zip"
+    with Client(service.url, token=token_of(service)) as client:
+        assert client.ensure_package(pkg) is True
+        first = stored.stat()
+        assert client.ensure_package(ft.package(module.WORKLOAD)) is False  # the same digest: nothing sent
+        client.upload_package(pkg)  # sent anyway: the stored object is not written again
+        assert client.download_package(pkg.digest) == pkg.data
+    assert stored.read_bytes() == pkg.data and stored.stat().st_mtime_ns == first.st_mtime_ns
+    assert [p.name for p in stored.parent.iterdir()].count(stored.name) == 1
+
+
+def token_of(service: ServiceProcess) -> str:
+    return service.token()
