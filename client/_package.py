@@ -40,6 +40,7 @@ import sys
 import sysconfig
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from importlib import metadata
@@ -67,8 +68,11 @@ PICKLE = "fusetune_workload.pkl"
 DEFAULT_EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", "node_modules")
 #: The service's default FUSETUNE_PACKAGE_MAX_BYTES: larger packages are refused here, before an upload.
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
-#: Most bytes of a code folder read into a package (the service's default unpacked limit).
+#: The service's default FUSETUNE_PACKAGE_MAX_UNPACKED_BYTES: most bytes of a package's files,
+#: and so of a code folder read into one.
 DEFAULT_MAX_UNPACKED_BYTES = 256 * 1024 * 1024
+#: The service's default FUSETUNE_PACKAGE_MAX_FILES: most files in a package.
+DEFAULT_MAX_FILES = 10_000
 _TIMESTAMP = (1980, 1, 1, 0, 0, 0)  # the earliest a zip can say
 _FILE_MODE = (stat.S_IFREG | 0o644) << 16
 _MAX_CHOICES_PROBED = 32
@@ -101,6 +105,8 @@ def package(
     search_space: Mapping[str, optuna.distributions.BaseDistribution] | None = None,
     conditional: bool = False,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
+    max_files: int = DEFAULT_MAX_FILES,
 ) -> Package:
     """Package ``workload`` for the service (see the module docstring).
 
@@ -114,15 +120,23 @@ def package(
         conditional: accept a conditional space, stated as the union of what its runs
             suggested (``optimize`` does: its client asks, the service only trains).
         max_bytes: the largest zip made (the service's FUSETUNE_PACKAGE_MAX_BYTES).
+        max_unpacked_bytes: the most bytes its files take (FUSETUNE_PACKAGE_MAX_UNPACKED_BYTES);
+            a code folder is read no further.
+        max_files: the most files it holds (FUSETUNE_PACKAGE_MAX_FILES).
+
+    A path's module is imported anew from ``code`` on every call (the files as they are now,
+    which the zip holds), while modules of ``code`` the process imported before stay as they were.
 
     Raises:
-        ValueError: naming what cannot be packaged (a path without ``code``, a name clash,
-            a package over ``max_bytes``, metadata that is not JSON).
+        ValueError: naming what cannot be packaged (a path without ``code``, a module or
+            attribute not in it, a module of that name imported from elsewhere, a name clash,
+            a package over a limit, naming its setting, metadata that is not JSON, a space
+            that suggests nothing).
         ConditionalSearchSpaceError: the workload's space is conditional (use ``optimize``).
     """
     files: dict[str, bytes] = {}
     if code is not None:
-        files.update(_folder(Path(code), [*DEFAULT_EXCLUDES, *(excludes or ())]))
+        files.update(_folder(Path(code), [*DEFAULT_EXCLUDES, *(excludes or ())], max_unpacked_bytes, max_files))
         for reserved in (MANIFEST, PICKLE):
             if reserved in files:
                 raise ValueError(f"{Path(code) / reserved} would clash with the package's own {reserved}; rename it or exclude it")
@@ -135,6 +149,8 @@ def package(
         files[PICKLE] = _pickle_by_value(found)
     if search_space is None:
         search_space = static_search_space(found.search_space, union=conditional)
+    if not search_space:
+        raise ValueError(f"workload {found.name!r}: its search space suggests no params, and a study samples some")
     manifest = {
         "format": 1,
         "entry": entry,
@@ -145,6 +161,7 @@ def package(
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
     files[MANIFEST] = json.dumps(manifest, sort_keys=True, indent=1).encode()
+    _check_size(len(files), sum(map(len, files.values())), max_unpacked_bytes, max_files)
     data = _zip(files)
     if len(data) > max_bytes:
         raise ValueError(
@@ -167,23 +184,35 @@ def _zip(files: Mapping[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def _folder(root: Path, excludes: Sequence[str]) -> dict[str, bytes]:
-    """The files under ``root`` by their relative POSIX paths, less what ``excludes`` match."""
+def _check_size(count: int, size: int, max_unpacked_bytes: int, max_files: int, where: str = "the package") -> None:
+    """Raise ValueError naming the service's setting that ``count`` files of ``size`` bytes exceed."""
+    if count > max_files:
+        raise ValueError(
+            f"{where} holds more than {max_files} files, the most the service takes (FUSETUNE_PACKAGE_MAX_FILES): "
+            "leave files out with excludes=[...]"
+        )
+    if size > max_unpacked_bytes:
+        raise ValueError(
+            f"{where} holds more than {max_unpacked_bytes} bytes, the most the service unpacks "
+            "(FUSETUNE_PACKAGE_MAX_UNPACKED_BYTES): leave data and large files out with excludes=[...], "
+            "and have datasets() read them where the workers run"
+        )
+
+
+def _folder(root: Path, excludes: Sequence[str], max_unpacked_bytes: int, max_files: int) -> dict[str, bytes]:
+    """The files under ``root`` by their relative POSIX paths, less what ``excludes`` match
+    (gitignore patterns, as git reads a ``.gitignore`` at the root); read no further than the limits."""
     import pathspec
 
     if not root.is_dir():
         raise ValueError(f"code={str(root)!r} is not a folder")
-    spec = pathspec.PathSpec.from_lines("gitwildmatch", excludes)
+    spec = pathspec.GitIgnoreSpec.from_lines(excludes)
     files: dict[str, bytes] = {}
     total = 0
     for path in _walk(root, spec):
-        data = path.read_bytes()
-        total += len(data)
-        if total > DEFAULT_MAX_UNPACKED_BYTES:
-            raise ValueError(
-                f"code={str(root)!r} holds more than {DEFAULT_MAX_UNPACKED_BYTES} bytes: leave data out with excludes=[...]"
-            )
-        files[path.relative_to(root).as_posix()] = data
+        total += path.stat().st_size
+        _check_size(len(files) + 1, total, max_unpacked_bytes, max_files, where=f"code={str(root)!r}")  # before reading it
+        files[path.relative_to(root).as_posix()] = path.read_bytes()
     return files
 
 
@@ -198,23 +227,80 @@ def _walk(root: Path, spec: Any) -> Iterator[Path]:
 
 
 def _entry(path: str, code: Path) -> Workload:
-    """The workload at ``module:attr`` inside ``code``, imported here to read its metadata and space."""
+    """The workload at ``module:attr`` inside ``code``, imported here to read its metadata and space.
+
+    The module is imported anew from the files as they are now (the zip holds them), not taken
+    from ``sys.modules``: a notebook that edited it since its last import gets the manifest of
+    its edit. The modules of ``code`` the process had imported are put back afterwards, so its
+    own objects keep their classes; those imported for the first time stay imported.
+    """
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ValueError(f"workload {path!r} is not a 'module:attr' path")
-    root = str(code.resolve())
-    sys.path.insert(0, root)
-    try:
-        module = importlib.import_module(module_name)
-    finally:
-        sys.path.remove(root)
-    where = getattr(module, "__file__", None) or ""
-    if not os.path.realpath(where).startswith(os.path.realpath(root) + os.sep):
+    root = os.path.realpath(code)
+    with _fresh_imports(root):
+        elsewhere = _imported_elsewhere(module_name, root)
+        if elsewhere is not None:
+            raise ValueError(f"module {elsewhere[0]!r} is imported from {elsewhere[1]}, not from code={str(code)!r}: rename it in code")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+                raise  # the module's own import of something missing: its message says what
+            raise ValueError(f"workload {path!r}: there is no module {exc.name!r} in code={str(code)!r}") from exc
+    if not _under(module, root):
+        where = getattr(module, "__file__", None)
         raise ValueError(f"module {module_name!r} is imported from {where or 'elsewhere'}, not from code={str(code)!r}: rename it")
     found: Any = module
     for part in attr.split("."):
-        found = getattr(found, part)
+        try:
+            found = getattr(found, part)
+        except AttributeError as exc:
+            raise ValueError(f"workload {path!r}: module {module_name!r} in code={str(code)!r} has no {attr!r}") from exc
     return _as_workload(found)
+
+
+def _under(module: object, root: str) -> bool:
+    """Whether ``module`` was imported from a file under the folder ``root`` (a real path)."""
+    try:
+        where = getattr(module, "__file__", None)
+        paths = [] if where else list(getattr(module, "__path__", None) or ())  # a namespace package: its folders
+    except Exception:  # a lazy module's __getattr__ may raise what it likes
+        return False
+    if where:
+        return os.path.realpath(where).startswith(root + os.sep)
+    return bool(paths) and all(os.path.realpath(p).startswith(root + os.sep) for p in paths)
+
+
+def _imported_elsewhere(module_name: str, root: str) -> tuple[str, str] | None:
+    """``module_name``, or a package above it, and where it is from, when the process imported
+    it from outside ``root``: an import would find that one, not the one the workers get."""
+    parts = module_name.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        module = sys.modules.get(name)
+        if module is not None and not _under(module, root):
+            return name, getattr(module, "__file__", None) or "elsewhere"
+    return None
+
+
+@contextmanager
+def _fresh_imports(root: str) -> Iterator[None]:
+    """Imports inside read the modules of ``root`` from its files (``root`` first on ``sys.path``);
+    afterwards the modules of ``root`` imported before are back in ``sys.modules``."""
+    before = {
+        name: module for name, module in list(sys.modules.items())
+        if name not in ("__main__", "__mp_main__") and module is not None and _under(module, root)
+    }
+    for name in before:
+        del sys.modules[name]
+    sys.path.insert(0, root)
+    importlib.invalidate_caches()  # files written since the last import of the folder
+    try:
+        yield
+    finally:
+        sys.path.remove(root)
+        sys.modules.update(before)
 
 
 def _as_workload(obj: object) -> Workload:

@@ -1,5 +1,6 @@
-"""The ``fusetune`` command: ``serve``, ``submit``, ``status``, a study's ``pause``, ``resume``,
-``cancel``, ``extend`` and ``delete``, ``tenants``, ``demo`` and ``simulate``."""
+"""The ``fusetune`` command: ``serve``, ``submit`` (``--code``: a study of the user's own code),
+``status``, a study's ``pause``, ``resume``, ``cancel``, ``extend`` and ``delete``, ``tenants``,
+``demo`` and ``simulate``."""
 
 from __future__ import annotations
 
@@ -78,15 +79,53 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    if args.code is None and (args.requirement or args.exclude):
+        print("--requirement and --exclude go with --code", file=sys.stderr)
+        return 2
     body = json.load(sys.stdin if args.file == "-" else open(args.file))
     with Client(args.url, token=args.token) as client:
         try:
+            if args.code is not None:
+                body = _with_package(client, body, args)
             study = client.submit(body)
         except FusetuneError as exc:
-            print(f"rejected: {exc}", file=sys.stderr)
+            hint = " (uploading and running code takes the admin's code_upload grant)" if exc.status_code == 403 else ""
+            print(f"rejected: {exc}{hint}", file=sys.stderr)
+            return 2
+        except (ValueError, TypeError, ImportError) as exc:  # what fusetune.client.package refuses
+            print(f"cannot package the workload: {exc}", file=sys.stderr)
             return 2
     print(json.dumps(study, indent=2))
     return 0
+
+
+def _with_package(client: Client, body: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``body`` for a study of the user's own code: its ``workload``, a ``module:attr`` path in
+    ``--code``, packaged (with the body's ``search_space`` as the manifest's, when it has one)
+    and uploaded unless the tenant has it; ``package`` names it, ``workload`` its workload's name."""
+    from fusetune.client import package
+    from fusetune.server.schemas import parse_search_space
+
+    workload = body.get("workload") if isinstance(body, dict) else None
+    if not isinstance(workload, str) or ":" not in workload:
+        raise ValueError(f"with --code, the study's workload is a 'module:attr' path inside {args.code}, not {workload!r}")
+    if body.get("package") is not None:
+        raise ValueError("give --code or the body's package (a digest uploaded before), not both")
+    space = body.get("search_space")
+    if space is not None and not isinstance(space, dict):
+        raise ValueError("search_space must be an object of Optuna distributions")
+    pkg = package(
+        workload, code=args.code, requirements=args.requirement, excludes=args.exclude,
+        search_space=None if space is None else parse_search_space(space),
+    )
+    tenant = body.get("tenant")
+    uploaded = client.ensure_package(pkg, tenant=tenant if isinstance(tenant, str) else None)
+    print(
+        f"package {pkg.digest} of {workload} (workload {pkg.workload_name!r}, {len(pkg.data)} bytes): "
+        + ("uploaded" if uploaded else "uploaded before"),
+        file=sys.stderr,
+    )
+    return {**body, "package": pkg.digest, "workload": pkg.workload_name}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -224,6 +263,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
                 print(f"{t['name']:<24} {t['weight']:>8g} {limits[0]:>20} {limits[1]:>17}")
         elif args.action == "set-weight":
             print(json.dumps(backend.set_weight(args.name, args.weight), indent=2))
+        elif args.action == "set-code-upload":
+            print(json.dumps(backend.update_tenant(args.name, code_upload=args.allowed == "on"), indent=2))
         elif args.action == "set-quota":
             changes = {k: getattr(args, k) for k in ("max_running_studies", "max_trials_per_study") if getattr(args, k) != "keep"}
             print(json.dumps(backend.update_tenant(args.name, **changes), indent=2))
@@ -311,10 +352,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _local_tenant_token(admin: Client) -> str:
-    """A new token for the local tenant ``default``, creating the tenant if needed."""
+    """A new token for the local tenant ``default``, creating the tenant if needed. The demo's
+    tenant may upload its own code (``code_upload``): the machine is its user's."""
     if "default" not in {t["name"] for t in admin.tenants()}:
-        return admin.create_tenant("default", token_label="fusetune demo")["token"]["token"]
-    return admin.create_token("default", label="fusetune demo")["token"]
+        token = admin.create_tenant("default", token_label="fusetune demo", code_upload=True)["token"]["token"]
+    else:
+        admin.set_code_upload("default", True)
+        token = admin.create_token("default", label="fusetune demo")["token"]
+    return str(token)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,8 +377,25 @@ def main(argv: list[str] | None = None) -> int:
     rest.add_argument("--url", default=default_url)
     rest.add_argument("--token", help="bearer token (default: FUSETUNE_TOKEN)")
 
-    p = sub.add_parser("submit", parents=[rest], help="submit a study from a JSON file ('-' for stdin)")
-    p.add_argument("file")
+    p = sub.add_parser(
+        "submit", parents=[rest], help="submit a study from a JSON file ('-' for stdin)",
+        description="Submit a study: the JSON body of POST /api/v1/studies, from a file ('-' for stdin). With --code, "
+        "the body's workload is the user's own, a 'module:attr' path inside DIR: the folder is packaged "
+        "(fusetune.client.package; the body's search_space, when it has one, is the package's, else the workload's "
+        "own space, which must be static), uploaded once, and the study runs it. Uploading code takes the "
+        "admin's code_upload grant (`fusetune tenants set-code-upload NAME on`).",
+    )
+    p.add_argument("file", help="the study as JSON ('-': stdin)")
+    p.add_argument("--code", metavar="DIR", help="a folder of the user's own code; the body's workload is a module:attr path in it")
+    p.add_argument(
+        "--requirement", action="append", default=[], metavar="REQ",
+        help="a pip requirement the workers install for the code (repeatable; with --code)",
+    )
+    p.add_argument(
+        "--exclude", action="append", default=[], metavar="PATTERN",
+        help="a gitignore pattern of files left out of --code besides .git, __pycache__, *.pyc, .venv and "
+        "node_modules (repeatable)",
+    )
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("status", parents=[rest], help="list studies, or one study's trials")
@@ -400,6 +462,11 @@ def _tenant_commands(sub: Any, rest: argparse.ArgumentParser) -> None:
     p = actions.add_parser("set-weight", parents=[via], help="change a tenant's weight")
     p.add_argument("name")
     p.add_argument("weight", type=float)
+    p = actions.add_parser(
+        "set-code-upload", parents=[via], help="grant ('on') or withdraw ('off') a tenant's code_upload: uploading and running its own code"
+    )
+    p.add_argument("name")
+    p.add_argument("allowed", choices=("on", "off"))
     p = actions.add_parser("set-quota", parents=[via], help="change a tenant's quotas ('none': no limit)")
     p.add_argument("name")
     p.add_argument("--max-running-studies", type=_quota, default="keep", metavar="N|none")

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import secrets
+import sys
+import uuid
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from fusetune.client import Client, package
 from fusetune.server.cli import BackgroundServer, main
 from fusetune.server.settings import Settings
 from tests.conftest import free_port
@@ -22,9 +28,9 @@ class Server:
     admin_token: str | None
 
 
-def serve(database_url: str, admin_token: str | None) -> Iterator[Server]:
-    settings = Settings(database_url=database_url, port=free_port(), admin_token=admin_token)
-    server = BackgroundServer(settings, schedule=False).start()
+def serve(database_url: str, admin_token: str | None, **settings: object) -> Iterator[Server]:
+    config = Settings(database_url=database_url, port=free_port(), admin_token=admin_token, **settings)
+    server = BackgroundServer(config, schedule=False).start()
     try:
         yield Server(server.url, database_url, admin_token)
     finally:
@@ -33,7 +39,7 @@ def serve(database_url: str, admin_token: str | None) -> Iterator[Server]:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    yield from serve(f"sqlite:///{tmp_path / 'cli.db'}", secrets.token_urlsafe(32))
+    yield from serve(f"sqlite:///{tmp_path / 'cli.db'}", secrets.token_urlsafe(32), artifact_dir=tmp_path / "artifacts")
 
 
 def create(server: Server, capsys: pytest.CaptureFixture[str], name: str, *args: str) -> dict:
@@ -80,10 +86,122 @@ def test_rejected_submission_says_why(server: Server, tmp_path: Path, capsys: py
     assert "n_trials" in capsys.readouterr().err
 
 
+OWN_WORKLOAD = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from fusetune import Workload
+
+
+def space(trial):
+    return {"lr": trial.suggest_float("lr", 1e-3, 1e-1, log=True), "hidden": trial.suggest_categorical("hidden", [8, 16])}
+
+
+def data():
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    return TensorDataset(x[:12], y[:12]), TensorDataset(x[12:], y[12:])
+
+
+def build(params):
+    return nn.Sequential(nn.Linear(4, params["hidden"]), nn.ReLU(), nn.Linear(params["hidden"], 3))
+
+
+WORKLOAD = Workload(
+    name="cli-own", build_model=build, search_space=space, datasets=data,
+    loss=nn.functional.cross_entropy, metric=lambda output, target: float((output.argmax(-1) == target).float().mean()),
+)
+"""
+
+
+@pytest.fixture
+def own_code(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A folder of the user's own code, ``<module>.py`` defining ``WORKLOAD`` (and a ``data/``
+    folder to leave out); the module is forgotten afterwards."""
+    module = f"cli_own_{uuid.uuid4().hex[:10]}"
+    code = tmp_path / "code"
+    (code / "data").mkdir(parents=True)
+    (code / f"{module}.py").write_text(OWN_WORKLOAD)
+    (code / "data" / "big.bin").write_bytes(os.urandom(4096))
+    yield code, module
+    for name in [n for n in sys.modules if n == module]:
+        del sys.modules[name]
+
+
+def test_submit_with_code_packages_uploads_once_and_needs_code_upload(
+    server: Server, tmp_path: Path, own_code: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fusetune submit --code DIR``: the body's workload is a module:attr path in DIR. The
+    study records the package the CLI made (the bytes the service then serves are those bytes),
+    and a tenant without the admin's code_upload is refused, naming it. Nothing here trains: the
+    server runs no scheduling loop."""
+    code, module = own_code
+    token = create(server, capsys, "acme")["token"]["token"]
+    mine = ["--url", server.url, "--token", token]
+    admin = ["--url", server.url, f"--token={server.admin_token}"]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"workload": f"{module}:WORKLOAD", "n_trials": 2, "epochs": 1, "name": "own-code"}))
+    submit = ["submit", str(sweep), "--code", str(code), "--requirement", "numpy", "--exclude", "data/", *mine]
+
+    assert main(submit) == 2
+    refused = capsys.readouterr()
+    assert "code_upload" in refused.err and "403" in refused.err and refused.out == ""
+    with Client(server.url, token=token) as client:
+        assert client.studies() == []
+
+    assert main(["tenants", "set-code-upload", "acme", "on", *mine]) == 2  # the admin's to grant
+    assert "403" in capsys.readouterr().err
+    assert main(["tenants", "set-code-upload", "acme", "on", *admin]) == 0
+    assert json.loads(capsys.readouterr().out)["code_upload"] is True
+    assert main(submit) == 0
+    out = capsys.readouterr()
+    study = json.loads(out.out)
+    expected = package(f"{module}:WORKLOAD", code=code, requirements=["numpy"], excludes=["data/"])
+    assert f"package {expected.digest}" in out.err and "uploaded" in out.err and "before" not in out.err
+    assert study["package"] == expected.digest and study["package_url"] == f"/api/v1/packages/{expected.digest}"
+    assert study["workload"] == "cli-own" and study["tenant"] == "acme" and study["name"] == "own-code"
+    assert set(study["search_space"]) == {"lr", "hidden"}  # the manifest's, the body naming none
+    with Client(server.url, token=token) as client:
+        data = client.download_package(expected.digest)
+    assert data == expected.data
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        assert sorted(archive.namelist()) == sorted(["fusetune.json", f"{module}.py"])
+        manifest = json.loads(archive.read("fusetune.json"))
+    assert manifest["entry"] == f"{module}:WORKLOAD" and manifest["requirements"] == ["numpy"]
+
+    # A second study of the same code uploads nothing; a body's search_space is the package's.
+    sweep.write_text(json.dumps({"workload": f"{module}:WORKLOAD", "n_trials": 2, "name": "own-code-again"}))
+    assert main(submit) == 0
+    again = capsys.readouterr()
+    assert json.loads(again.out)["package"] == expected.digest and "uploaded before" in again.err
+    space = {"hidden": {"name": "CategoricalDistribution", "attributes": {"choices": [8]}}}
+    sweep.write_text(json.dumps({"workload": f"{module}:WORKLOAD", "n_trials": 1, "name": "narrow", "search_space": space}))
+    assert main(submit) == 0
+    narrow = json.loads(capsys.readouterr().out)
+    assert narrow["package"] != expected.digest and set(narrow["search_space"]) == {"hidden"}
+    with Client(server.url, token=token) as client:
+        narrowed = json.loads(zipfile.ZipFile(io.BytesIO(client.download_package(narrow["package"]))).read("fusetune.json"))
+    assert narrowed["search_space"] == space
+
+    # Withdrawn, the grant refuses studies of a package uploaded before, naming it again.
+    assert main(["tenants", "set-code-upload", "acme", "off", *admin]) == 0
+    capsys.readouterr()
+    sweep.write_text(json.dumps({"workload": f"{module}:WORKLOAD", "n_trials": 2, "name": "own-code-withdrawn"}))
+    assert main(submit) == 2
+    assert "code_upload" in capsys.readouterr().err
+    # What cannot be packaged is refused before any upload, naming why.
+    assert main(["submit", str(sweep), "--code", str(code / "absent"), *mine]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert main(["submit", str(sweep), "--exclude", "data/", *mine]) == 2
+    assert "--code" in capsys.readouterr().err
+
+
 def test_tenants_over_the_api(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
     rest = ["--url", server.url, f"--token={server.admin_token}"]
     created = create(server, capsys, "acme", "--weight", "2", "--max-trials-per-study", "50", "--label", "ci")
-    assert created["tenant"] == {"name": "acme", "weight": 2.0, "max_running_studies": None, "max_trials_per_study": 50}
+    assert created["tenant"] == {
+        "name": "acme", "weight": 2.0, "max_running_studies": None, "max_trials_per_study": 50, "code_upload": False,
+    }
     assert created["token"]["label"] == "ci" and created["token"]["token"].startswith("ft_")
     token = created["token"]["token"]
 
@@ -95,7 +213,7 @@ def test_tenants_over_the_api(server: Server, capsys: pytest.CaptureFixture[str]
     assert json.loads(capsys.readouterr().out)["weight"] == 4.5
     assert main(["tenants", "set-quota", "acme", "--max-running-studies", "3", "--max-trials-per-study", "none", *rest]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "name": "acme", "weight": 4.5, "max_running_studies": 3, "max_trials_per_study": None
+        "name": "acme", "weight": 4.5, "max_running_studies": 3, "max_trials_per_study": None, "code_upload": False,
     }
 
     # A tenant's own token: no weights, but its own tokens.
@@ -126,6 +244,8 @@ def test_tenants_bootstrap_on_the_database_without_an_admin(tmp_path: Path, caps
     assert "already exists" in capsys.readouterr().err
     assert main(["tenants", "set-weight", "acme", "0", "--database-url", url]) == 2
     assert "weight" in capsys.readouterr().err
+    assert main(["tenants", "set-code-upload", "acme", "on", "--database-url", url]) == 0
+    assert json.loads(capsys.readouterr().out)["code_upload"] is True
     for server in serve(url, admin_token=None):
         assert main(["status", "--url", server.url, "--token", created["token"]["token"]]) == 0
         assert main(["tenants", "list", "--url", server.url, "--token", created["token"]["token"]]) == 0
