@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
 from fusetune.server import packages
 from fusetune.server.api.deps import PrincipalDep, SessionDep, SessionRoute, SettingsDep, authenticate
 from fusetune.server.api.errors import CODE_FORBIDDEN, _error
+from fusetune.server.api.limits import ZIP
 from fusetune.server.api.links import answers, links
 from fusetune.server.packages import DIGEST_PATTERN, PackageOut
 
@@ -57,7 +58,13 @@ async def upload_package(
     The tenant needs the admin's `code_upload` (403). Nothing of the package runs here: its
     entries and manifest are checked as data (422 naming the field or entry, 413 naming the
     limit) and it is kept in the artifact store for the workers."""
-    data = await request.body()  # after authenticate: only a known tenant makes the server read a package
+    # After authenticate (a missing token is a 401, whatever the body): only a known tenant's
+    # zip is read.
+    content_type = request.headers.get("content-type")
+    if content_type is None or content_type.split(";", 1)[0].strip().lower() != ZIP:
+        got = f"Content-Type {content_type!r}" if content_type is not None else "a body with no Content-Type"
+        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"a package is a zip (Content-Type: {ZIP}), not {got}")
+    data = await request.body()
     out, created = await run_in_threadpool(
         packages.upload, session, settings, digest, data,
         tenant=tenant or principal.tenant or "default", as_tenant=principal.tenant,

@@ -118,7 +118,7 @@ def test_a_quota_below_what_runs_is_409_naming_the_quota(live: LiveApi, admin: h
         assert field_of(response) == [["body", field]]
     # Nothing changed, not even the weight sent beside the refused quota.
     busy = next(t for t in admin.get("/api/v1/tenants").json() if t["name"] == "busy")
-    assert busy == {"name": "busy", "weight": 1.0, "max_running_studies": None, "max_trials_per_study": None}
+    assert busy == {"name": "busy", "weight": 1.0, "max_running_studies": None, "max_trials_per_study": None, "code_upload": False}
     # At what runs is fine.
     response = admin.patch("/api/v1/tenants/busy", json={"max_running_studies": 2, "max_trials_per_study": 8})
     assert response.status_code == 200

@@ -312,7 +312,7 @@ def test_a_spec_stored_before_the_caps_fails_its_study_alone_at_restart(bomb_sto
     try:
         before = SchedulingLoop(settings, pool)
         before.setup()
-        before.enqueue(bomb, {"hidden": 32}, {})  # a trial waits when the service restarts
+        before.asker.enqueue(bomb, {"hidden": 32}, {})  # a trial waits when the service restarts
         grid = {"search_space": {"a": list(range(40_000)), "b": list(range(40_000))}}
         with get_sessionmaker(url).begin() as session:
             session.execute(sa.update(Study).where(Study.id == bomb).values(sampler={"name": "GridSampler", "kwargs": grid}))

@@ -44,6 +44,7 @@ class World:
     study_id: int
     trial_id: int
     array_id: int
+    package: tuple[str, bytes]  # the owner's code package: its digest and zip
     serial: int = 0
     spare_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -114,6 +115,20 @@ def revoked_only_when_allowed(world: World, actor: str, response: httpx.Response
     token = next(t for t, i in world.spare_tokens.items() if response.request.url.path.endswith(f"/{i}"))
     status = world.live.client(token).get("/api/v1/studies").status_code
     assert status == (401 if response.status_code == 200 else 200), (actor, response.status_code)
+
+
+def package_path(world: World, actor: str) -> tuple[str, dict[str, Any]]:
+    return f"/api/v1/packages/{world.package[0]}", {}
+
+
+def upload(world: World, actor: str) -> tuple[str, dict[str, Any]]:
+    digest, data = world.package
+    return f"/api/v1/packages/{digest}", {"content": data, "headers": {"Content-Type": "application/zip"}}
+
+
+def package_served(world: World, actor: str, response: httpx.Response) -> None:
+    if response.status_code == 200:
+        assert response.content == world.package[1]
 
 
 def reweigh(world: World, actor: str) -> tuple[str, dict[str, Any]]:
@@ -281,6 +296,14 @@ RULES: dict[tuple[str, str], Rule] = {
         lambda w, a: ("/api/v1/events", {"params": {"after": 0, "follow": "false"}}),
         {"owner": 200, "other": 200, "admin": 200, **UNAUTHENTICATED}, events_seen,
     ),
+    # Uploading takes the admin's code_upload grant, which the owner has and the other tenant
+    # (and `default`, whom the admin acts for by default) has not: 403 naming it. The owner's
+    # upload is of bytes it uploaded before: 200, nothing stored again.
+    ("PUT", "/api/v1/packages/{digest}"): Rule(upload, {"owner": 200, "other": 403, "admin": 403, **UNAUTHENTICATED}),
+    ("HEAD", "/api/v1/packages/{digest}"): Rule(package_path, {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}),
+    ("GET", "/api/v1/packages/{digest}"): Rule(
+        package_path, {"owner": 200, "other": 404, "admin": 200, **UNAUTHENTICATED}, package_served
+    ),
     # Open like /healthz while FUSETUNE_METRICS_TOKEN is unset (tests/server/test_operations.py sets it).
     ("GET", "/metrics"): Rule(path("/metrics"), {actor: 200 for actor in ACTORS}),
 }
@@ -328,6 +351,15 @@ def world(live: LiveApi, database_url: str) -> World:
         events.record(session, "trial.asked", tenant="owner", study_id=study_id, trial_id=trial.id, number=0, params={"lr": 0.1})
         session.commit()
         trial_id, array_id = trial.id, array.id
+    # The owner may upload code, and has uploaded a package (the service's own digits MLP,
+    # packaged as a user's workload is).
+    from fusetune.client import package
+    from fusetune.workers.workloads import get_workload
+
+    assert live.client(live.admin_token).patch("/api/v1/tenants/owner", json={"code_upload": True}).status_code == 200
+    pkg = package(get_workload("digits-mlp"))
+    put = live.client(owner).put(f"/api/v1/packages/{pkg.digest}", content=pkg.data, headers={"Content-Type": "application/zip"})
+    assert put.status_code == 201, put.text
     tokens = {
         "owner": owner,
         "other": other,
@@ -336,7 +368,7 @@ def world(live: LiveApi, database_url: str) -> World:
         "bad": "ft_" + secrets.token_urlsafe(32),
         "revoked": revoked,
     }
-    return World(live=live, tokens=tokens, study_id=study_id, trial_id=trial_id, array_id=array_id)
+    return World(live=live, tokens=tokens, study_id=study_id, trial_id=trial_id, array_id=array_id, package=(pkg.digest, pkg.data))
 
 
 def test_every_route_has_a_rule(live: LiveApi) -> None:

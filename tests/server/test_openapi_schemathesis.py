@@ -15,6 +15,7 @@ says which answers are expected beyond the defaults, and why. Each run is bounde
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -92,7 +93,8 @@ def test_schemathesis_finds_nothing(served: LiveApi, tmp_path: Path, seed_: int)
         "--report-dir", str(tmp_path / "report"),
         "--no-color",
     ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    hooks = {"SCHEMATHESIS_HOOKS": str(Path(__file__).with_name("schemathesis_hooks.py"))}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path, env={**os.environ, **hooks})
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-20000:]
     assert "Stateful" in output and "Coverage" in output, output[-4000:]

@@ -148,7 +148,7 @@ def test_healthz_names_the_database(live: LiveApi, database_url: str) -> None:
 def test_tenants_are_created_with_one_share_and_reweighted(live: LiveApi, admin: httpx.Client) -> None:
     created = admin.post("/api/v1/tenants", json={"name": "acme"})
     assert created.status_code == 201, created.text
-    acme = {"name": "acme", "weight": 1.0, "max_running_studies": None, "max_trials_per_study": None}
+    acme = {"name": "acme", "weight": 1.0, "max_running_studies": None, "max_trials_per_study": None, "code_upload": False}
     assert created.json()["tenant"] == acme
     assert admin.post("/api/v1/studies", json={**VALID, "tenant": "acme"}).json()["tenant"] == "acme"
     default = {**acme, "name": "default"}
