@@ -268,3 +268,21 @@ def test_code_upload_is_the_admins_to_grant_and_the_same_code_is_stored_once(ser
 
 def token_of(service: ServiceProcess) -> str:
     return service.token()
+
+
+@pytest.mark.parametrize("example", ["residual_cnn.py", "transformer_lm.py"])
+def test_the_examples_run_as_programs_against_the_service(service: ServiceProcess, token: str, example: str) -> None:
+    """docs/examples/: each is a complete program; it packages its own workload, uploads it and
+    waits for its sweep, which the service trains fused."""
+    program = Path(__file__).parents[1] / "docs" / "examples" / example
+    done = subprocess.run(
+        [sys.executable, str(program), "--url", service.url, "--token", token, "--trials", "4", "--epochs", "1"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "study COMPLETE" in done.stdout and "best trial #" in done.stdout, done.stdout
+    with Client(service.url, token=token) as client:
+        (study,) = [s for s in client.studies() if s["name"] in done.stdout.splitlines()[0]]
+        assert study["package"] and study["warnings"] == [], study
+        arrays = {t["array_id"] for t in client.trials(study["id"])}
+        assert None not in arrays and len(arrays) < 4, arrays  # trials shared arrays: fused
