@@ -150,3 +150,17 @@ def test_idle_devices_get_one_group_each_asked_together(service: Client) -> None
     # ...and an array of each started before any of them reported.
     assert kinds[: kinds.index("trial.reported")].count("array.started") == devices
     assert [a["size"] for a in service.arrays(study["id"])] == [4] * devices
+
+
+def test_a_param_nothing_reads_is_named_on_its_trials_and_warned_on_the_study(service: Client) -> None:
+    """A typo in the search space tunes nothing: neither the model factory nor the training
+    recipe reads ``learning_rate`` (the recipe's name is ``lr``), so each trial names it in its
+    user attr ``unused_params`` and the study warns once."""
+    space = {**SPACE, "learning_rate": SPACE["lr"]}
+    study = service.create_study("digits-mlp", n_trials=2, epochs=1, name="typo", search_space=space)
+    study = service.wait(study["id"], timeout=300)
+    assert study["trial_counts"]["COMPLETE"] == 2
+    (warning,) = [w for w in study["warnings"] if "learning_rate" in w]
+    assert "['learning_rate']" in warning and "tune nothing" in warning
+    for trial in service.trials(study["id"]):
+        assert service.trial(trial["id"])["user_attrs"]["unused_params"] == ["learning_rate"]
