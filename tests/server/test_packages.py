@@ -1,0 +1,156 @@
+"""Code packages over HTTP: PUT/HEAD/GET /api/v1/packages/{digest} and studies that name one.
+
+A package is data to the control plane: every check here is made without importing or
+unpickling anything (nothing in these packages would import: their modules do not exist).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import stat
+import zipfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import LiveApi, live_api
+
+SPACE = {"lr": {"name": "FloatDistribution", "attributes": {"low": 0.01, "high": 0.1, "log": False, "step": None}}}
+WORKLOAD = {
+    "name": "my-net", "metric_name": "accuracy", "direction": "maximize",
+    "metrics": [{"name": "accuracy", "direction": "maximize", "of": "outputs"}, {"name": "loss", "direction": "minimize", "of": "outputs"}],
+}
+
+
+def manifest(**changes: Any) -> dict[str, Any]:
+    return {"format": 1, "entry": "my_net:WORKLOAD", "pickle": None, "workload": WORKLOAD, "search_space": SPACE,
+            "requirements": [], "python": "3.11", **changes}
+
+
+def zipped(files: Mapping[str, bytes], modes: Mapping[str, int] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, data in files.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = ((modes or {}).get(name, stat.S_IFREG | 0o644)) << 16
+            archive.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    return buffer.getvalue()
+
+
+def package(**changes: Any) -> bytes:
+    return zipped({"fusetune.json": json.dumps(manifest(**changes)).encode(), "my_net.py": b"raise SystemExit('never run here')\n"})
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def put(client: httpx.Client, data: bytes, name: str | None = None, **params: str) -> httpx.Response:
+    return client.put(f"/api/v1/packages/{name or digest(data)}", content=data, headers={"Content-Type": "application/zip"}, params=params)
+
+
+@pytest.fixture
+def small(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApi]:
+    """The API with small package limits (each exceeded below) and a tenant allowed to upload."""
+    yield from live_api(
+        database_url, artifact_dir=tmp_path_factory.mktemp("artifacts"),
+        package_max_bytes=4096, package_max_files=4, package_max_unpacked_bytes=8192,
+    )
+
+
+@pytest.fixture
+def uploader(small: LiveApi) -> httpx.Client:
+    _, token = small.create_tenant("lab", code_upload=True)
+    return small.client(token)
+
+
+def test_uploading_code_takes_the_admins_grant(small: LiveApi) -> None:
+    _, token = small.create_tenant("plain")
+    refused = put(small.client(token), package())
+    assert refused.status_code == 403 and "code_upload" in refused.json()["detail"]
+    granted = small.client(small.admin_token).patch("/api/v1/tenants/plain", json={"code_upload": True})
+    assert granted.status_code == 200 and granted.json()["code_upload"] is True
+    assert put(small.client(token), package()).status_code == 201
+
+
+def test_the_same_bytes_are_stored_once_and_read_back(uploader: httpx.Client, small: LiveApi) -> None:
+    data = package()
+    assert uploader.head(f"/api/v1/packages/{digest(data)}").status_code == 404
+    first = put(uploader, data)
+    assert first.status_code == 201 and first.json()["digest"] == digest(data)
+    again = put(uploader, data)
+    assert again.status_code == 200  # had it: nothing stored again
+    assert uploader.head(f"/api/v1/packages/{digest(data)}").status_code == 200
+    got = uploader.get(f"/api/v1/packages/{digest(data)}")
+    assert got.status_code == 200 and got.content == data
+
+
+@pytest.mark.parametrize(
+    ("data", "setting"),
+    [
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "blob.bin": random.Random(0).randbytes(5000)}), "FUSETUNE_PACKAGE_MAX_BYTES"),
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), **{f"m{i}.py": b"" for i in range(4)}}), "FUSETUNE_PACKAGE_MAX_FILES"),
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "zeros.bin": bytes(9000)}), "FUSETUNE_PACKAGE_MAX_UNPACKED_BYTES"),
+    ],
+    ids=["bytes", "files", "unpacked"],
+)
+def test_a_package_over_a_limit_is_a_413_naming_the_setting(uploader: httpx.Client, data: bytes, setting: str) -> None:
+    response = put(uploader, data)
+    assert response.status_code == 413 and setting in response.json()["detail"], response.text
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "../escape.py": b""}), "../escape.py"),
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "/etc/cron.d/x": b""}), "/etc/cron.d/x"),
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "link": b"/etc/passwd"}, {"link": stat.S_IFLNK | 0o777}), "link"),
+        (zipped({"my_net.py": b""}), "fusetune.json"),
+        (package(entry=None), "pickle"),
+        (package(requirements=["--index-url=http://evil"]), "requirements"),
+        (package(search_space={}), "search_space"),
+        (package(workload={**WORKLOAD, "metric_name": "f1"}), "metric_name"),
+        (b"not a zip at all", "zip"),
+    ],
+    ids=["dotdot", "absolute", "symlink", "no-manifest", "no-entry", "pip-option", "empty-space", "unknown-metric", "not-zip"],
+)
+def test_what_a_package_holds_is_checked_as_data_with_422s_naming_it(uploader: httpx.Client, data: bytes, named: str) -> None:
+    response = put(uploader, data)
+    assert response.status_code == 422, response.text
+    assert named in json.dumps(response.json()), response.text
+
+
+def test_the_digest_is_the_bodys_sha256(uploader: httpx.Client) -> None:
+    data = package()
+    response = put(uploader, data, name="0" * 64)
+    assert response.status_code == 422 and "digest" in json.dumps(response.json())
+    assert uploader.put(f"/api/v1/packages/{digest(data)}", content=data, headers={"Content-Type": "text/plain"}).status_code == 415
+
+
+def test_a_study_of_a_package_shows_it_and_takes_its_manifests_space_and_metrics(uploader: httpx.Client, small: LiveApi) -> None:
+    data = package()
+    assert put(uploader, data).status_code == 201
+    created = uploader.post("/api/v1/studies", json={"workload": "my-net", "package": digest(data), "n_trials": 2, "epochs": 1})
+    assert created.status_code == 201, created.text
+    study = created.json()
+    assert study["package"] == digest(data) and study["package_url"] == f"/api/v1/packages/{digest(data)}"
+    assert study["search_space"] == SPACE and study["metrics"] == ["accuracy"]
+    wrong_name = uploader.post("/api/v1/studies", json={"workload": "other-net", "package": digest(data), "n_trials": 1})
+    assert wrong_name.status_code == 422 and "workload" in json.dumps(wrong_name.json())
+    wrong_metric = uploader.post("/api/v1/studies", json={"workload": "my-net", "package": digest(data), "n_trials": 1, "metrics": ["f1"]})
+    assert wrong_metric.status_code == 422 and "metrics" in json.dumps(wrong_metric.json())
+
+
+def test_a_tenant_runs_only_packages_it_uploaded(uploader: httpx.Client, small: LiveApi) -> None:
+    data = package()
+    assert put(uploader, data).status_code == 201
+    _, token = small.create_tenant("rival", code_upload=True)
+    rival = small.client(token)
+    assert rival.get(f"/api/v1/packages/{digest(data)}").status_code == 404
+    refused = rival.post("/api/v1/studies", json={"workload": "my-net", "package": digest(data), "n_trials": 1})
+    assert refused.status_code in (404, 422) and "package" in json.dumps(refused.json()), refused.text
