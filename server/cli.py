@@ -144,6 +144,12 @@ def _status(args: argparse.Namespace) -> int:
             return 0
         study = client.study(args.study_id)
         print(f"study {study['id']} {study['name']}: {study['state']} {study['trial_counts']}")
+        if study.get("package"):
+            print(f"package {study['package']}")
+        for warning in study.get("warnings") or ():
+            print(f"warning: {warning}")
+        if study.get("error"):  # why it FAILED: a package's traceback included
+            print(f"error: {study['error']}")
         _print_trials(client, args.study_id)
     return 0
 

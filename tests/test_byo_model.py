@@ -46,8 +46,10 @@ MARKER = {marker!r}
 
 
 def _note(what):
+    # Whether the service's secrets reached this process through its environment.
+    secret = "secret" if os.environ.get("FUSETUNE_ADMIN_TOKEN") or os.environ.get("FUSETUNE_DATABASE_URL") else "-"
     with open(MARKER, "a") as f:
-        f.write(f"{{os.getpid()}} {{what}}\\n")
+        f.write(f"{{os.getpid()}} {{what}} {{secret}}\\n")
 
 
 _note("import")
@@ -155,6 +157,8 @@ def test_a_workload_object_trains_fused_in_workers_as_plain_torch_does_and_never
     # models; the service's own process did neither.
     assert pids(marker, "import") == {__import__("os").getpid()}
     builders = pids(marker, "build")
+    # The service's own settings (its database, its admin token) never reach tenant code.
+    assert not [line for line in marker.read_text().splitlines() if line.endswith(" secret") and " build " in f" {line} "]
     assert builders and service.proc is not None and service.proc.pid not in builders and __import__("os").getpid() not in builders
     # Each member's weights are plain torch's: its model seeded as the worker seeds it, SGD
     # with its params, the array's one data order.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import threading
 import traceback
@@ -31,6 +32,8 @@ from fusetune.workers.workloads import Workload, get_workload
 __all__ = ["GCS_PREFIX", "MANIFEST", "PackageError", "in_cluster", "package_workload", "runtime_env", "workload_of"]
 
 MANIFEST = "fusetune.json"
+#: The service's settings' environment variables (server/settings.py): never a package's.
+SETTINGS_PREFIX = "FUSETUNE_"
 #: A package's URI in the Ray cluster's GCS: Ray's own prefix for uploaded working dirs, so
 #: its runtime-env agent treats it as one (reference counted, unpacked once per node).
 GCS_PREFIX = "gcs://_ray_pkg_fusetune_"
@@ -60,8 +63,15 @@ def in_cluster(digest: str, read: Callable[[], bytes]) -> str:
 
 def runtime_env(uri: str, requirements: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The ``runtime_env`` of an actor that runs the package at ``uri``: its files as the
-    working directory, and its pip requirements installed (by Ray, once per node and set)."""
-    env: dict[str, Any] = {"working_dir": uri}
+    working directory, and its pip requirements installed (by Ray, once per node and set).
+
+    A Ray worker inherits its node's environment, and a node started beside the service (a
+    local Ray, or the server's own node) has the service's settings in it: its database URL,
+    its admin and metrics tokens. The package's processes get every ``FUSETUNE_*`` variable of
+    this process blanked (workers take everything they need from the array's spec).
+    """
+    blanked = {name: "" for name in os.environ if name.startswith(SETTINGS_PREFIX)}
+    env: dict[str, Any] = {"working_dir": uri, "env_vars": blanked}
     if requirements:
         env["pip"] = list(requirements)
     return env
