@@ -6,11 +6,14 @@ containers run, read from docker-compose.yml; the test only adds what one host n
 several nodes at once: each node's temp dir, CPU count and ports, and the addresses of
 loopback for the containers' host names. Arrays run on both nodes; the pool follows the
 second node as it joins and when its raylet is killed mid-array, and that node's members
-resume on the head from the shared artifact store.
+resume on the head from the shared artifact store. A tenant's uploaded workload, from a module
+no node or service has, trains on both nodes: each node's Ray runtime-env agent fetched its
+package from the cluster's GCS and unpacked it under that node's own temp dir.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import secrets
 import shlex
@@ -19,6 +22,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -83,7 +88,11 @@ def node_dir_of(pid: int, dirs: dict[str, str]) -> str | None:
     return next((name for name, d in dirs.items() if d in cmdline), None)
 
 
-def test_arrays_run_on_both_nodes_and_a_dead_nodes_members_resume_on_the_head(tmp_path: Path) -> None:
+@contextmanager
+def cluster(tmp_path: Path) -> Iterator[tuple[ServiceProcess, dict[str, str], str]]:
+    """docker-compose.yml's head, server and second node on loopback, the second node joining
+    once the server schedules on the head: yields the service, each node's temp dir and the
+    database's URL; everything is killed after."""
     services = compose_services()
     port = free_port()
     dirs = {"head": short_tmpdir("ft12h-"), "node2": short_tmpdir("ft12n-"), "server": short_tmpdir("ft12s-")}
@@ -117,6 +126,21 @@ def test_arrays_run_on_both_nodes_and_a_dead_nodes_members_resume_on_the_head(tm
         procs.append(start(node2, {}, tmp_path / "node2.log"))
         wait_until(lambda: httpx.get(f"{service.url}/healthz").json()["workers"] == 2, "a worker on the new node", 120)
 
+        yield service, dirs, url
+    finally:
+        if service is not None:
+            service.stop()
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for d in dirs.values():
+            kill_all(processes_under(d))
+
+
+def test_arrays_run_on_both_nodes_and_a_dead_nodes_members_resume_on_the_head(tmp_path: Path) -> None:
+    with cluster(tmp_path) as (service, dirs, url):
         from fusetune.client import Client
 
         epochs, name = 60, "cluster"
@@ -170,13 +194,117 @@ def test_arrays_run_on_both_nodes_and_a_dead_nodes_members_resume_on_the_head(tm
             epochs_retrained=result["epochs_retrained"], trials=8, epochs=epochs, recover_s=round(recovered, 2),
             resumed_at_epochs=result["resumed_at_epochs"], how="measured by tests/test_cluster.py",
         )
+
+
+#: A tenant's workload in a module of the test's own (a tiny MLP on generated data): each
+#: process that builds its model writes its pid and working directory to the marker.
+MODULE = '''
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from fusetune import Metric, Workload
+
+MARKER = {marker!r}
+
+
+def build(params):
+    with open(MARKER, "a") as f:
+        f.write(f"{{os.getpid()}} {{os.getcwd()}}\\n")
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def space(trial):
+    return {{"lr": trial.suggest_float("lr", 0.01, 0.3, log=True)}}
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 16, generator=g)
+    y = x[:, :4].argmax(-1)
+    return TensorDataset(x[:384], y[:384]), TensorDataset(x[384:], y[384:])
+
+
+def accuracy(out, y):
+    return (out.argmax(-1) == y).float().mean().item()
+
+
+WORKLOAD = Workload(
+    name="cluster-byo", build_model=build, search_space=space, datasets=data, loss=F.cross_entropy, metric=accuracy,
+    metrics=(Metric("accuracy", accuracy),), optimizer="SGD", optimizer_defaults={{"lr": 0.1}}, batch_size=64,
+)
+'''
+
+
+def worker_nodes(url: str, dirs: dict[str, str]) -> dict[str, tuple[int, str | None]]:
+    """Each worker's (pid, node): its process as ``ft_workers`` names it, and which of our nodes runs it."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT name, node FROM ft_workers")).all()
     finally:
-        if service is not None:
-            service.stop()
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for d in dirs.values():
-            kill_all(processes_under(d))
+        engine.dispose()
+    return {name: (pid, node_dir_of(pid, dirs)) for name, pid in ((n, int(node.rsplit(":", 1)[1])) for n, node in rows)}
+
+
+def test_the_second_node_trains_an_uploaded_workload_whose_code_reached_it_through_ray(tmp_path: Path) -> None:
+    """Issue 31's Done-when: a workload of a module no node has (nor the service) is uploaded;
+    the second node trains arrays of it, in a worker whose working directory is the package
+    as that node's own Ray runtime-env agent unpacked it, under its own temp dir."""
+    code, marker = tmp_path / "code", tmp_path / "marker"
+    code.mkdir()
+    module_name = f"cluster_byo_{secrets.token_hex(4)}"
+    (code / f"{module_name}.py").write_text(MODULE.format(marker=str(marker)))
+    assert str(code) not in os.environ.get("PYTHONPATH", "")  # the nodes and the service inherit this environment
+    sys.path.insert(0, str(code))
+    try:
+        module = importlib.import_module(module_name)
+    finally:
+        sys.path.remove(str(code))
+
+    with cluster(tmp_path) as (service, dirs, url):
+        import fusetune.client as ft
+        from fusetune.client import Client
+
+        with Client(service.url, token=service.admin_token) as admin:
+            admin.set_code_upload("default", True)
+        token = service.token()
+        study = ft.create_study(
+            workload=module.WORKLOAD, n_trials=8, epochs=2, max_array_size=2, sampler=optuna.samplers.RandomSampler(seed=5),
+            url=service.url, token=token,
+        )
+        with Client(service.url, token=token) as client:
+            (row,) = [s for s in client.studies() if s["name"] == study.study_name]
+            done = client.wait(row["id"], timeout=480)
+            assert done["state"] == "COMPLETE", (done, service.log_tail())
+            assert done["trial_counts"].get("COMPLETE") == 8, done["trial_counts"]
+            digest = done["package"]
+            arrays = client.arrays(row["id"])
+        # A worker restarted in the package's env is a new process: ft_workers names it once the
+        # pool's next refresh has heard from it (FUSETUNE_DEVICE_REFRESH_S=1).
+        workers = wait_until(
+            lambda: (found := worker_nodes(url, dirs)) and None not in {node for _, node in found.values()} and found,
+            "each worker's process, on its node", 30, explain=lambda: f"{worker_nodes(url, dirs)}\n{service.log_tail()}",
+        )
+        serving = {service.proc.pid, *processes_under(f"serve --host 127.0.0.1 --port {service.port}")}
+        builds = {(int(pid), cwd) for pid, cwd in (line.split(" ", 1) for line in marker.read_text().splitlines())}
+        builders = {pid: node_dir_of(pid, dirs) for pid, _ in builds}  # its describer and workers, alive until the end
+
+    # Arrays ran on both nodes, the second one's among them.
+    assert {workers[a["worker"]][1] for a in arrays} == {"head", "node2"}, (arrays, workers)
+    # Every process that built the workload's model ran in the package as its own node's Ray
+    # runtime-env agent unpacked it from the cluster's GCS, under that node's temp dir ...
+    for pid, cwd in builds:
+        where, node = Path(cwd), builders[pid]
+        assert node is not None and where.is_relative_to(Path(dirs[node]).resolve()), (pid, cwd, node, dirs)
+        assert where.name == f"_ray_pkg_fusetune_{digest}" and where.parent.name == "working_dir_files", cwd
+        assert where.parent.parent.name == "runtime_resources", cwd
+    # ... the second node's worker among them: the code it trained reached node2 through Ray,
+    # not through a path it shares with the client or the service.
+    (node2_worker,) = [pid for pid, node in workers.values() if node == "node2"]
+    assert node2_worker in builders, (node2_worker, builds)
+    # No build ran in the service's process (nor in the client's, which only packaged the module).
+    assert not builders.keys() & (serving | {os.getpid()}), (serving, builds)

@@ -76,7 +76,7 @@ class WorkerHandle:
     ping: tuple[ray.ObjectRef, float] | None = field(default=None, repr=False)  # a heartbeat in flight, sent at
     last_ping: float = 0.0
     hung: bool = False  # killed for answering no heartbeat
-    coming_up: ray.ObjectRef | None = field(default=None, repr=False)  # its first info() call, until it answers
+    coming_up: ray.ObjectRef | None = field(default=None, repr=False)  # its first info() call (or its restarted actor's), until it answers
     backend: str = "cpu"
     package: str | None = None  # the code package its actor runs (its runtime_env); None: the service's own code
 
@@ -125,7 +125,8 @@ class WorkerPool:
 
     def refresh(self) -> list[WorkerHandle]:
         """Follow the cluster's nodes: start workers for the devices of nodes that joined, drop
-        the idle workers of nodes that left. Returns the workers started.
+        the idle workers of nodes that left. Returns the workers started, and those restarted
+        in a code package's env whose new process answered since (their ``node`` changed).
 
         GPUs (Ray resource ``GPU``) get ``cuda`` workers and TPU chips (``TPU``) get ``xla``
         workers; CPU workers are started only while the cluster has no accelerator at all. A
@@ -191,7 +192,23 @@ class WorkerPool:
                 continue
             self.workers.append(worker)
             started.append(worker)
-        return started
+        return started + self._renamed()
+
+    def _renamed(self) -> list[WorkerHandle]:
+        """The workers restarted in a code package's env (:meth:`submit`) whose new process has
+        answered since: their ``node`` (its host:pid) is the new one's now."""
+        asked = {w.coming_up: w for w in self.workers if w.coming_up is not None}
+        answered, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0) if asked else ([], [])
+        renamed = []
+        for ref in answered:
+            worker = asked[ref]
+            worker.coming_up = None
+            try:
+                worker.node = ray.get(ref, timeout=self.timeout_s)["node"]
+            except Exception:  # it did not come up: its array's stream says why (wait)
+                continue
+            renamed.append(worker)
+        return renamed
 
     def _describe(self, worker: WorkerHandle, sharing: int, info_ref: ray.ObjectRef | None = None) -> None:
         info = ray.get(info_ref or worker.actor.info.remote(), timeout=self.timeout_s)
@@ -252,6 +269,7 @@ class WorkerPool:
             self._kill(worker)
             fresh = self._start(worker.name, worker.device_type, worker.num_threads, worker.node_id, worker.backend, spec.package, env)
             worker.actor, worker.package = fresh.actor, spec.package
+            worker.coming_up = fresh.actor.info.remote()  # its new process's host:pid, once up (refresh)
         worker.spec = spec
         worker.stream = worker.actor.run.remote(spec)
         worker.ping, worker.last_ping, worker.hung = None, time.monotonic(), False
@@ -375,6 +393,7 @@ class WorkerPool:
                 sharing = sum(w.node_id == worker.node_id and w.backend == "cpu" for w in self.workers)
                 self._describe(fresh, max(1, sharing))
                 worker.actor, worker.node, worker.hung, worker.package = fresh.actor, fresh.node, False, None
+                worker.coming_up = None
                 return
             except Exception as exc:
                 log.warning("worker %s could not be restarted on its node: %s", worker.name, exc)
