@@ -20,7 +20,7 @@ from pydantic import (
 from fusetune.server.db import ArrayState, StudyState, TrialState
 from fusetune.server.distributions import SearchSpaceEntry
 from fusetune.server.optuna_specs import SpecError, check_for_study, default_limits, sampler_class
-from fusetune.server.specs import LRSchedulerSpec, OptimizerSpec, PrunerSpec, SamplerSpec, field_error, json_enum
+from fusetune.server.specs import LoaderSpec, LRSchedulerSpec, OptimizerSpec, PrunerSpec, SamplerSpec, field_error, json_enum
 
 # The tenants' and tokens' models live in tenant_schemas, re-exported here (their routes, the CLI, tests).
 from fusetune.server.tenant_schemas import (  # noqa: F401
@@ -191,6 +191,9 @@ class StudyCreate(BaseModel):
         None, description="Mixed precision (float16 autocast, per-member GradScaler) on GPU workers; CPU workers "
         "ignore it and train in float32.",
     )
+    loader: LoaderSpec | None = Field(
+        None, description="DataLoader options over the workload's own, for data that is not a TensorDataset.",
+    )
     metrics: list[str] | None = Field(
         None, min_length=1, max_length=16,
         json_schema_extra={"uniqueItems": True, "items": {"type": "string", **json_enum(_metric_names())}},
@@ -304,6 +307,7 @@ class StudyCreate(BaseModel):
             max_norm=self.max_norm,
             amp=self.amp,
             metrics=tuple(self.metrics or ()),
+            loader=self.loader.options() if self.loader is not None else {},
         )
 
     def objective_directions(self, workload: Objectives) -> list[str]:
@@ -398,6 +402,7 @@ class StudyOut(BaseModel):
     warmup_epochs: int | None = None
     max_norm: float | None = None
     amp: bool | None = None
+    loader: dict[str, Any] = Field(default_factory=dict, description="The study's DataLoader options (over its workload's).")
     user_attrs: dict[str, Any] = Field(default_factory=dict, description="The Optuna study's user attrs.")
     system_attrs: dict[str, Any] = Field(default_factory=dict, description="The Optuna study's system attrs.")
     fusion_sampler: bool = True

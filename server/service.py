@@ -267,6 +267,7 @@ def _training_out(out: StudyOut, study: Study, training: TrainingSpec) -> None:
     stored = training.to_json()
     out.optimizer, out.lr_scheduler = stored["optimizer"], stored["lr_scheduler"]
     out.warmup_epochs, out.max_norm, out.amp = training.warmup_epochs, training.max_norm, training.amp
+    out.loader = dict(training.loader)
     out.metrics = list(training.metrics)
     if not out.metrics and study.workload in available_workloads():  # never imports a module-path workload
         out.metrics = [get_workload(study.workload).metric_name]

@@ -27,7 +27,7 @@ from fusetune.workers.optimization import (
     optimizer_name,
 )
 
-__all__ = ["ComponentSpec", "LRSchedulerSpec", "OptimizerSpec", "PrunerSpec", "SamplerSpec", "field_error", "json_enum"]
+__all__ = ["ComponentSpec", "LRSchedulerSpec", "LoaderSpec", "OptimizerSpec", "PrunerSpec", "SamplerSpec", "field_error", "json_enum"]
 
 
 def json_enum(values: Iterable[str]) -> JsonDict:
@@ -155,3 +155,28 @@ class LRSchedulerSpec(BaseModel):
         return self
 
 
+
+
+#: The most DataLoader worker processes a study may ask for per array: each is a process on
+#: the worker's node, next to every other tenant's arrays there.
+MAX_LOADER_WORKERS = 16
+
+
+class LoaderSpec(BaseModel):
+    """A study's ``torch.utils.data.DataLoader`` options, over its workload's ``loader``, for a
+    dataset that is not a ``TensorDataset`` (``workers/data.py``): torch's argument names. The
+    array sets the batch size, the order's generator and the sampler itself."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    num_workers: int | None = Field(
+        None, ge=0, le=MAX_LOADER_WORKERS,
+        description=f"Loader worker processes per array (0: the batches are read in the training process; at most {MAX_LOADER_WORKERS}).",
+    )
+    pin_memory: bool | None = Field(None, description="Pinned host memory for the copies to a GPU (default: on for CUDA workers).")
+    prefetch_factor: int | None = Field(None, ge=1, le=64, description="Batches each loader worker reads ahead (with num_workers > 0).")
+    persistent_workers: bool | None = Field(None, description="Keep the loader's workers between epochs (with num_workers > 0).")
+
+    def options(self) -> dict[str, Any]:
+        """The options it sets, as DataLoader's keyword arguments."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}

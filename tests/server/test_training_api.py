@@ -102,3 +102,20 @@ def test_bad_training_settings_are_422_naming_the_field_and_write_nothing(
     assert loc in field_of(response), response.text
     assert named in json.dumps(response.json()["detail"])
     assert row_counts(database_url) == before
+
+
+def test_a_studys_dataloader_options_are_stored_and_bounded(api: httpx.Client, database_url: str) -> None:
+    """DataLoader options over the workload's (for data that is not a TensorDataset): torch's
+    names, a cap on the worker processes an array may fork, and nothing the array sets itself."""
+    loader = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 4, "pin_memory": False}
+    response = api.post("/api/v1/studies", json={**VALID, "name": "loaded", "loader": loader})
+    assert response.status_code == 201, response.text
+    assert response.json()["loader"] == loader
+    assert api.get(f"/api/v1/studies/{response.json()['id']}").json()["loader"] == loader
+    before = row_counts(database_url)
+    for bad, field in (({"num_workers": 1000}, "num_workers"), ({"batch_size": 8}, "batch_size"), ({"sampler": "x"}, "sampler"),
+                       ({"num_workers": "2"}, "num_workers")):
+        refused = api.post("/api/v1/studies", json={**VALID, "loader": bad})
+        assert refused.status_code == 422, (bad, refused.text)
+        assert field_of(refused)[0][:3] == ["body", "loader", field], (bad, refused.json())
+    assert row_counts(database_url) == before
