@@ -36,6 +36,7 @@ def create_study(
     search_space: Mapping[str, optuna.distributions.BaseDistribution] | None = None,
     max_array_size: int | None = None,
     max_concurrent_trials: int | None = None,
+    loader: Mapping[str, Any] | None = None,
     code: str | os.PathLike[str] | None = None,
     requirements: Sequence[str] | None = None,
     excludes: Sequence[str] | None = None,
@@ -87,6 +88,8 @@ def create_study(
         body["max_array_size"] = max_array_size
     if max_concurrent_trials is not None:
         body["max_concurrent_trials"] = max_concurrent_trials
+    if loader is not None:  # DataLoader options over the workload's (num_workers, pin_memory, ...)
+        body["loader"] = dict(loader)
     url = service_url(url)
     with Client(url, token=token) as client:
         try:
