@@ -86,10 +86,8 @@ def create_study(
         }
     if max_array_size is not None:
         body["max_array_size"] = max_array_size
-    if max_concurrent_trials is not None:
-        body["max_concurrent_trials"] = max_concurrent_trials
-    if loader is not None:  # DataLoader options over the workload's (num_workers, pin_memory, ...)
-        body["loader"] = dict(loader)
+    extra = {"max_concurrent_trials": max_concurrent_trials, "loader": None if loader is None else dict(loader)}
+    body.update({k: v for k, v in extra.items() if v is not None})  # loader: DataLoader options over the workload's
     url = service_url(url)
     with Client(url, token=token) as client:
         try:

@@ -55,8 +55,11 @@ class RequestBodyLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if scope["method"] == "PUT" and PACKAGE_UPLOAD.match(scope["path"]):
-            await self._package(scope, receive, send)
+        if PACKAGE_UPLOAD.match(scope["path"]):
+            if scope["method"] == "PUT":
+                await self._package(scope, receive, send)
+            else:  # GET, HEAD, or a method the route has not: the router answers (405), not a 415
+                await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
         length = headers.get("content-length")
