@@ -9,6 +9,14 @@
 # (the machine's own, not the project's venv), plus optuna and colorlog, as wheels in .whl/
 # where the machine lacks them. Fetch those here, for the device's Python 3.12, and carry .whl:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl optuna==5.1.0 colorlog
+#
+# Last, when a GPU is there, the end-to-end sweep of a user's own workload at ResNet-18 size
+# (benchmarks/_resnet18.py: the residual CNN example's data, augmentation and space, 64 trials x
+# 5 epochs, 3 seeds) against Ray Tune with fractional GPUs (RAYTUNE_GPU of a GPU a trial,
+# default 0.125: 8 trials share it): `e2e.py --workload resnet18`, on SQLite. That step runs
+# the service, so it also needs the service's dependencies and ray[tune] (pyproject's
+# dependencies and its bench extra); where they do not import it says which are missing and
+# is skipped. It has not been run yet: no session so far had a GPU for it (docs/benchmarks.md).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/fusetune-gpu}}
 mkdir -p "$out"
@@ -39,3 +47,25 @@ $py -m pytest --noconftest -p no:cacheprovider -q -rs tests/fusion/test_fusion_c
 $py -m pytest --noconftest -p no:cacheprovider -q -rs tests/workers/test_oom_cuda.py 2>&1 | tee "$out/oom_tests.txt"
 $py benchmarks/fusion.py --device cuda --models "$models" --members "$members" --steps 10 --rounds 5 2>&1 | tee "$out/fusion_cuda.txt"
 $py benchmarks/fusion.py --device cuda --sizing --models "$models" --members "$members" 2>&1 | tee "$out/sizing_cuda.txt"
+# A user's workload end to end on the GPU (issue 31): fusetune's fused arrays against Ray Tune's
+# fractional GPUs, the same code on both sides.
+if nvidia-smi -L >/dev/null 2>&1 && $py -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  missing=$($py - <<'PY'
+import importlib.util
+mods = ["ray", "ray.tune", "fastapi", "uvicorn", "sqlalchemy", "alembic", "pydantic_settings", "httpx", "sse_starlette",
+        "prometheus_client", "pyarrow", "filelock", "cloudpickle", "pathspec", "packaging", "scipy", "sklearn", "optuna"]
+def found(m):
+    try:
+        return importlib.util.find_spec(m) is not None
+    except ModuleNotFoundError:
+        return False
+print(" ".join(m for m in mods if not found(m)))
+PY
+)
+  if [ -z "$missing" ]; then
+    $py benchmarks/e2e.py --workload resnet18 --backends sqlite --systems fusetune,raytune --seeds "${SEEDS:-0,1,2}" \
+      --raytune-gpu "${RAYTUNE_GPU:-0.125}" --json "$out/e2e_resnet18.json" 2>&1 | tee "$out/e2e_resnet18.txt"
+  else
+    echo "e2e --workload resnet18 skipped: $py lacks $missing (pyproject's dependencies and ray[tune])" | tee "$out/e2e_resnet18.txt"
+  fi
+fi
