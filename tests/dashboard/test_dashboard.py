@@ -211,7 +211,7 @@ def test_brushing_and_filters_change_the_rows(service: Service, page: Any, shots
     page.focus("[data-table=trials] .row")
     page.keyboard.press("Enter")
     drawer = page.locator("[data-testid=drawer]")
-    drawer.locator("text=Params").wait_for()
+    drawer.locator("text=\"Params\"").wait_for()
     assert f"Trial #{best['number']}" in drawer.inner_text()
     page.wait_for_function(CHARTS_DRAWN, arg=["trial-curve"], timeout=LONG)
     best_trial = next(t for t in trials if t["number"] == best["number"])
