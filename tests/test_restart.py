@@ -7,6 +7,7 @@ with its own local Ray, so that ``kill -9`` takes all of it at once, as a crash 
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 import time
@@ -183,9 +184,14 @@ def test_a_scheduler_whose_lock_session_is_killed_is_fenced_and_the_standby_resu
     url = next(generator)
     artifacts, epochs, name = tmp_path / "artifacts", 60, "fenced"
     admin = secrets.token_urlsafe(24)
-    # The old leader never looks at its lock again: only the fence can stop it.
-    leader = ServiceProcess({**env_for(url, artifacts), "FUSETUNE_LEADER_POLL_S": "3600"}, tmp_path / "leader.log", admin).start()
+    # The old leader never looks at its lock again: only the fence can stop it. Its worker is
+    # frozen below while the standby takes over, so it must not be taken for hung meanwhile.
+    leader = ServiceProcess(
+        {**env_for(url, artifacts), "FUSETUNE_LEADER_POLL_S": "3600", "FUSETUNE_HEARTBEAT_TIMEOUT_S": "3600"},
+        tmp_path / "leader.log", admin,
+    ).start()
     standby = ServiceProcess(env_for(url, artifacts), tmp_path / "standby.log", admin)
+    frozen: int | None = None
     try:
         leader.healthy()
         standby.start().healthy(workers=False)
@@ -194,6 +200,17 @@ def test_a_scheduler_whose_lock_session_is_killed_is_fenced_and_the_standby_resu
         engine = sa.create_engine(url)
         try:
             with engine.connect() as conn:
+                # The leader's worker is frozen (SIGSTOP) until the standby holds the new epoch,
+                # so the old leader still has epochs to report then, however fast this machine
+                # trains: its first report after SIGCONT is a commit the fence must refuse.
+                node = conn.execute(sa.text(
+                    "SELECT w.node FROM ft_arrays a JOIN ft_workers w ON w.id = a.worker_id"
+                    " WHERE a.study_id = :s AND a.state = 'RUNNING'"
+                ), {"s": sid}).scalar_one()
+                frozen = int(node.rsplit(":", 1)[1])
+                os.kill(frozen, signal.SIGSTOP)
+                stored = reported_steps(url, name)
+                assert all(stored[n] < epochs for n in durable), "the sweep ended before the worker was frozen"
                 epoch_before = conn.execute(sa.text("SELECT epoch FROM ft_scheduler")).scalar_one()
                 killed = conn.execute(sa.text(
                     "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted"
@@ -203,6 +220,9 @@ def test_a_scheduler_whose_lock_session_is_killed_is_fenced_and_the_standby_resu
             hit = time.monotonic()
             with Client(standby.url, token=standby.token()) as reader:
                 standby.healthy()  # it took the lock, a new epoch, and started its workers
+                with engine.connect() as conn:
+                    assert conn.execute(sa.text("SELECT epoch FROM ft_scheduler")).scalar_one() == epoch_before + 1
+                os.kill(frozen, signal.SIGCONT)
                 wait_until(lambda: "another server schedules on this database now" in leader.log_path.read_text(errors="replace"),
                            "the old leader to be refused by the fence", 240, explain=leader.log_tail)
                 wait_until(lambda: resumed(reader, sid, set(durable)), "the members to resume on the new scheduler", 240,
@@ -229,6 +249,11 @@ def test_a_scheduler_whose_lock_session_is_killed_is_fenced_and_the_standby_resu
             how="measured by tests/test_restart.py (the stale leader refused by the fencing row)",
         )
     finally:
+        if frozen is not None:  # a failure above may have left it frozen
+            try:
+                os.kill(frozen, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         leader.stop()
         standby.stop()
         generator.close()
