@@ -34,8 +34,10 @@ lint: $(STAMP)
 	for d in $(PACKAGES) migrations; do ln -s ../../../$$d build/typecheck/fusetune/$$d; done
 	MYPYPATH=build/typecheck $(BIN)/mypy $(foreach p,$(PACKAGES),-p fusetune.$(p))
 
+# Two test processes (pytest-xdist), each with its own local Ray: the suite spends most of its
+# time waiting on live services' workers, and two overlap that on the 2-core machine.
 test: $(STAMP) system-deps lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 clean:
 	rm -rf $(VENV) fusetune.db artifacts

@@ -114,10 +114,22 @@ def _postgres_database() -> Iterator[str]:
         admin.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """An empty database, once on SQLite and once on PostgreSQL."""
-    if request.param == "sqlite":
+def _database(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if kind == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'fusetune.db'}"
     else:
         yield from _postgres_database()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An empty database, once on SQLite and once on PostgreSQL."""
+    yield from _database(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def module_database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One database for a whole test module, once on SQLite and once on PostgreSQL: for modules
+    whose tests share one live service (starting one, with its workers, takes 8-15 s), and so
+    must each work in studies of their own names."""
+    yield from _database(request.param, tmp_path_factory)

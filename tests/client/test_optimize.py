@@ -32,14 +32,15 @@ class EvenTrialsStopAfterSecondEpoch(optuna.pruners.BasePruner):
         return trial.number % 2 == 0 and trial.last_step == 1
 
 
-@pytest.fixture
-def service(ray_cluster: str, database_url: str) -> Iterator[Client]:
-    with running_service(ray_cluster, database_url, max_array_size=4) as client:
+@pytest.fixture(scope="module")
+def service(ray_cluster: str, module_database_url: str) -> Iterator[Client]:
+    """One live service for the module's tests, on SQLite and on PostgreSQL."""
+    with running_service(ray_cluster, module_database_url, max_array_size=4) as client:
         yield client
 
 
 def test_a_users_own_study_gets_the_services_records_and_its_own_pruning(
-    service: Client, database_url: str, tmp_path: Path
+    service: Client, module_database_url: str, tmp_path: Path
 ) -> None:
     pruner = EvenTrialsStopAfterSecondEpoch()
     user_storage = f"sqlite:///{tmp_path / 'mine.db'}"
@@ -51,7 +52,7 @@ def test_a_users_own_study_gets_the_services_records_and_its_own_pruning(
 
     (record,) = [s for s in service.studies() if s["name"].startswith("mine-")]
     assert record["state"] == "COMPLETE" and record["driver"] == "client"
-    theirs = sorted(optuna.load_study(study_name=record["name"], storage=database_url).trials, key=lambda t: t.number)
+    theirs = sorted(optuna.load_study(study_name=record["name"], storage=module_database_url).trials, key=lambda t: t.number)
     mine = sorted(optuna.load_study(study_name="mine", storage=user_storage).trials, key=lambda t: t.number)
     assert len(mine) == len(theirs) == 6
 
