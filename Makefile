@@ -35,9 +35,10 @@ lint: $(STAMP)
 	MYPYPATH=build/typecheck $(BIN)/mypy $(foreach p,$(PACKAGES),-p fusetune.$(p))
 
 # Two test processes (pytest-xdist), each with its own local Ray: the suite spends most of its
-# time waiting on live services' workers, and two overlap that on the 2-core machine.
+# time waiting on live services' workers, and two overlap that on the 2-core machine. The slow
+# live tests come last; worksteal hands a process that runs dry some of the other's share.
 test: $(STAMP) system-deps lint
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 clean:
 	rm -rf $(VENV) fusetune.db artifacts

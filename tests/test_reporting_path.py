@@ -224,7 +224,10 @@ def test_a_restarted_service_sizes_arrays_from_what_earlier_arrays_measured(ray_
         submit("before", epochs=2)
         first.step()
         assert pool.workers[0].spec.probe_solo, "a new class's first array measures its unfused speed"
-        _step_until(first, lambda: _study_state(url, "before") == StudyState.COMPLETE, "the first study")
+        # The study completes with its trials' last reports; the array's stream ends after
+        # them: the worker is idle, and free for the next array, only then.
+        _step_until(first, lambda: _study_state(url, "before") == StudyState.COMPLETE and pool.workers[0].idle,
+                    "the first study and its array")
         with sessions() as session:
             measured = {t.members: t.models_steps_per_s for t in session.scalars(select(Throughput))}
         assert set(measured) == {1, 4}
