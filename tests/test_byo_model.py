@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import secrets
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,6 +169,48 @@ def test_a_workload_object_trains_fused_in_workers_as_plain_torch_does_and_never
         plain = plain_training(module.WORKLOAD, t["params"], seed=seed + t["number"], order_seed=seed, epochs=2)
         for name, tensor in plain.items():
             torch.testing.assert_close(weights[t["number"]][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+#: Put after the module's import note: every process but the client's holds there until ``gate`` exists.
+GATED = '''_note("import")
+while os.getpid() != {client} and not os.path.exists({gate!r}):
+    import time
+
+    time.sleep(0.05)
+'''
+
+
+def test_new_codes_idle_worker_starts_in_its_env_while_the_describer_loads_it(
+    service: ServiceProcess, token: str, tmp_path: Path
+) -> None:
+    """The first array of new code does not wait for its worker's restart: while the package's
+    describer loads it (held here, at its import, until the test lets it go), the idle worker
+    starts in the package's env and imports the code as well. The sweep then trains in that
+    very process, which no later restart replaced."""
+    marker, gate, folder = tmp_path / "marker", tmp_path / "gate", tmp_path / "code"
+    name = write_module(folder, marker, name="byo-warm")
+    source = folder / f"{name}.py"
+    source.write_text(source.read_text().replace('_note("import")\n', GATED.format(client=os.getpid(), gate=str(gate)), 1))
+    study = ft.create_study(  # by its module path: the workers import the module
+        workload=f"{name}:WORKLOAD", code=folder, n_trials=2, epochs=1, sampler=optuna.samplers.RandomSampler(seed=SEED),
+        url=service.url, token=token,
+    )
+    # Two service processes import the code while it is held: the describer, and the worker.
+    # Nothing was asked meanwhile (the describer has not loaded the package), so no array
+    # restarted that worker: it started ahead of the package's first array.
+    waited = 0
+    while len(pids(marker, "import") - {os.getpid()}) < 2:
+        assert waited < 6000, f"only {pids(marker, 'import')} imported the held package"  # 300 s: something is broken
+        time.sleep(0.05)
+        waited += 1
+    held = pids(marker, "import") - {os.getpid()}
+    with Client(service.url, token=token) as client:
+        (row,) = [s for s in client.studies() if s["name"] == study.study_name]
+        assert client.trials(row["id"]) == []  # not asked while the package loads
+        gate.touch()
+        assert ended(client, row["id"])["state"] == "COMPLETE"
+    assert pids(marker, "import") - {os.getpid()} == held  # no process started after the gate opened
+    assert pids(marker, "build") <= held
 
 
 def _bytes(data: bytes) -> object:

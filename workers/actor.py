@@ -16,7 +16,7 @@ import torch
 
 import fusetune.fusion as fusion
 from fusetune.workers.memory import array_memory_model
-from fusetune.workers.package import PackageError, workload_of
+from fusetune.workers.package import PackageError, package_workload, workload_of
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
 from fusetune.workers.training import train_array
 
@@ -80,6 +80,20 @@ class ArrayWorker:
             "node_id": ray.get_runtime_context().get_node_id(),
             "memory_bytes": memory,
         }
+
+    def preload(self) -> None:
+        """Load this worker's code package now, before its first array (``WorkerPool.prepare``).
+
+        The package's describer loads it at the same time; a package that fails to load fails
+        its study there, with the traceback, and its arrays' runs raise the same error again.
+        So a failure here is left for them to report and not raised.
+        """
+        if self.package is None:
+            return
+        try:
+            package_workload(self.package)
+        except PackageError:
+            pass  # see above: the describer and each array's run say why
 
     def heartbeat(self) -> bool:
         """Answered on the actor's second thread while :meth:`run` trains: the process lives."""

@@ -233,7 +233,9 @@ class WorkerPool:
         # itself, for typing method calls); what comes back is the handle.
         actor = cast(ray.actor.ActorHandle, (
             ray.remote(ArrayWorker)
-            .options(max_concurrency=2, **options)  # run + offer, release, reply, heartbeat
+            # run + offer, release, reply, heartbeat; + preload, which may hold the package's
+            # import while run waits for it: heartbeats are still answered then.
+            .options(max_concurrency=3, **options)
             .remote(name, backend, threads, package)
         ))
         return WorkerHandle(
@@ -266,13 +268,30 @@ class WorkerPool:
         if spec.package != worker.package:
             if spec.package is not None and env is None:
                 raise ValueError(f"array {spec.array_id} runs package {spec.package}: its runtime env is needed")
-            self._kill(worker)
-            fresh = self._start(worker.name, worker.device_type, worker.num_threads, worker.node_id, worker.backend, spec.package, env)
-            worker.actor, worker.package = fresh.actor, spec.package
-            worker.coming_up = fresh.actor.info.remote()  # its new process's host:pid, once up (refresh)
+            self._restart(worker, spec.package, env)
         worker.spec = spec
         worker.stream = worker.actor.run.remote(spec)
         worker.ping, worker.last_ping, worker.hung = None, time.monotonic(), False
+
+    def prepare(self, worker: WorkerHandle, package: str, env: dict[str, Any]) -> None:
+        """Restart the idle ``worker`` in code ``package``'s runtime ``env`` ahead of the package's
+        first array, and have it load the package meanwhile: that array's :meth:`submit` then
+        finds the worker up, in the env, with the code imported. (Without this, setting up a new
+        package's env happens twice in a row: for its describer, then for the worker.)"""
+        if not worker.idle:
+            assert worker.spec is not None
+            raise RuntimeError(f"worker {worker.name} is training array {worker.spec.array_id}")
+        if worker.package != package:
+            self._restart(worker, package, env)
+            worker.actor.preload.remote()
+
+    def _restart(self, worker: WorkerHandle, package: str | None, env: dict[str, Any] | None) -> None:
+        """A new actor for ``worker``, on its node, in ``package``'s runtime ``env`` (None: the
+        service's own code). Ray queues calls to it until it is up."""
+        self._kill(worker)
+        fresh = self._start(worker.name, worker.device_type, worker.num_threads, worker.node_id, worker.backend, package, env)
+        worker.actor, worker.package = fresh.actor, package
+        worker.coming_up = fresh.actor.info.remote()  # its new process's host:pid, once up (refresh)
 
     def reply(self, worker: WorkerHandle, reply: EpochReply) -> None:
         """Answer the epoch report of the array ``worker`` is training."""

@@ -225,6 +225,8 @@ class SchedulingLoop:
                 self.recorder.maybe_complete(session, study)
             if self._studies_running and self.pool.idle():
                 self.dispatcher.split_for_idle(session)
+            if self.pool.idle():  # what this round left idle may set up a package being loaded
+                self.ctx.packages.warm(self.pool, studies)
 
     def _ask_and_dispatch(self, session: Session, listed: Sequence[Any], studies: Sequence[Any]) -> None:
         """Trials asked earlier go to free workers first; asking for more (TPE's cost grows with

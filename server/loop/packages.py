@@ -9,8 +9,11 @@ model) comes from the package's describer, a Ray actor in the same env
 
 A study is not asked until its describer has loaded the package (:meth:`ready`): setting up
 the env (fetching the zip, installing requirements) takes what it takes, and the loop goes on
-with every other study meanwhile. A package whose env or code fails there fails its study,
-with the traceback, and nothing else. Once ready, each call waits at most
+with every other study meanwhile. Idle workers that no other running study needs start in
+the package's env as well (:meth:`PackageRuntime.warm`), so the describer's setup and the
+workers' overlap, rather than the first array waiting for a worker restarted only then. A
+package whose env or code fails there fails its study, with the traceback, and nothing else.
+Once ready, each call waits at most
 ``package_call_timeout_s`` (a describer that hangs fails its study, not the loop).
 """
 
@@ -28,6 +31,7 @@ from fusetune.server.db import Study
 from fusetune.server.settings import Settings
 from fusetune.workers.describer import Described, PackageDescriber
 from fusetune.workers.package import PackageError
+from fusetune.workers.pool import WorkerHandle, WorkerPool
 from fusetune.workers.spec import TrainingSpec
 
 __all__ = ["PackageRuntime"]
@@ -84,6 +88,37 @@ class PackageRuntime:
         self._get(study.package, describer.checked, "load its workload")
         describer.ok = True
         return True
+
+    def warm(self, pool: WorkerPool, studies: Sequence[Study]) -> list[WorkerHandle]:
+        """Start idle workers in the env of each running study's package whose describer is
+        still loading it, so that the package's first arrays find their workers up.
+
+        Each of those packages may take as many idle workers as its studies have trials, from
+        the workers that no other running study's code needs: one in the service's own code
+        stays there while a study of a registered workload runs, one in another package's env
+        while a study of that package runs. Returns the workers restarted.
+        """
+        loading = {d for d, describer in self._describers.items() if not describer.ok}
+        wanted: dict[str, int] = {}
+        for study in studies:
+            if study.package in loading:
+                wanted[study.package] = wanted.get(study.package, 0) + study.n_trials
+        if not wanted:
+            return []
+        needed = {s.package for s in studies if s.package not in loading}  # None: the service's own code
+        for worker in pool.workers:  # workers already in a loading package's env count toward it
+            if worker.package in wanted:
+                wanted[worker.package] -= 1
+        free = [w for w in pool.idle() if w.package not in needed and w.package not in wanted]
+        restarted = []
+        for digest, count in wanted.items():
+            for worker in free[: max(0, count)]:
+                pool.prepare(worker, digest, self.env(digest))
+                restarted.append(worker)
+            free = free[max(0, count):]
+        if restarted:
+            log.info("%d idle workers start in the env of the code packages being loaded", len(restarted))
+        return restarted
 
     def describe(self, study: Study, params: Sequence[Mapping[str, Any]], training: TrainingSpec | None) -> list[Described]:
         """Each trial's signature, error and unused params (``PackageDescriber.describe``)."""
