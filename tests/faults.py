@@ -36,7 +36,8 @@ def audit(url: str, study_name: str, epochs: int) -> dict[str, Any]:
 
     ``points_lost``: epochs a trial trained (a completed trial: all ``epochs``; a pruned or
     failed one: up to its last stored step) with no stored value. ``points_duplicated``:
-    (trial, step) pairs stored more than once. ``epochs_retrained``: epochs trained again
+    (trial, step) pairs stored more than once. ``trials_failed``: trials that ended FAIL.
+    ``epochs_retrained``: epochs trained again
     after resuming from a checkpoint (the trials' ``epochs_retrained`` user attrs).
     """
     study = optuna.load_study(study_name=study_name, storage=url)
@@ -71,6 +72,7 @@ def audit(url: str, study_name: str, epochs: int) -> dict[str, Any]:
     return {
         "trials": len(study.trials),
         "states": sorted({t.state.name for t in study.trials}),
+        "trials_failed": sum(t.state == optuna.trial.TrialState.FAIL for t in study.trials),
         "unfinished": unfinished,
         "points_lost": lost,
         "points_duplicated": int(duplicated),

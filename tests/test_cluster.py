@@ -191,7 +191,7 @@ def test_arrays_run_on_both_nodes_and_a_dead_nodes_members_resume_on_the_head(tm
         assert set(result["resumed_at_epochs"]) == moved and all(at[0] >= 2 for at in result["resumed_at_epochs"].values())
         record(
             "second node's raylet killed (multi-node cluster)", points_lost=0, points_duplicated=0,
-            epochs_retrained=result["epochs_retrained"], trials=8, epochs=epochs, recover_s=round(recovered, 2),
+            trials_failed=result["trials_failed"], epochs_retrained=result["epochs_retrained"], trials=8, epochs=epochs, recover_s=round(recovered, 2),
             resumed_at_epochs=result["resumed_at_epochs"], how="measured by tests/test_cluster.py",
         )
 

@@ -95,7 +95,7 @@ def crash_mid_array(client: Client, url: str, name: str, fault: str, sig: signal
     assert arrays[0]["state"] == "FAIL" and arrays[0]["error"]
     record(
         fault, points_lost=result["points_lost"], points_duplicated=result["points_duplicated"],
-        epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
+        trials_failed=result["trials_failed"], epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
         resumed_at_epochs=result["resumed_at_epochs"], how="measured by tests/test_faults.py",
     )
     return {**result, "arrays": arrays}
@@ -137,7 +137,8 @@ def test_a_study_whose_sampler_raises_or_whose_workload_cannot_build_fails_alone
     result = audit(url, "fault-neighbour", 3)
     assert result["states"] == ["COMPLETE"] and result["points_lost"] == 0 and result["points_duplicated"] == 0
     record(
-        "a study's sampler raises / its workload cannot build", points_lost=0, points_duplicated=0, epochs_retrained=0,
+        "a study's sampler raises / its workload cannot build", points_lost=0, points_duplicated=0,
+        trials_failed=result["trials_failed"], epochs_retrained=0,
         trials=4, epochs=3, recover_s=None, how="measured by tests/test_faults.py (the neighbouring study's curves)",
     )
 
@@ -198,6 +199,6 @@ def test_a_corrupt_checkpoint_restarts_that_member_from_an_older_one_and_the_oth
     record(
         "checkpoints corrupt: one member's newest, another's all (study paused, resumed)",
         points_lost=result["points_lost"], points_duplicated=result["points_duplicated"],
-        epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
+        trials_failed=result["trials_failed"], epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
         resumed_at_epochs=result["resumed_at_epochs"], how="measured by tests/test_faults.py",
     )

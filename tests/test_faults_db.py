@@ -63,7 +63,8 @@ def test_the_database_unreachable_for_30_s(ray_cluster: str, tmp_path: Path) -> 
         assert result["unfinished"] == [] and result["states"] == ["COMPLETE"]
         assert result["points_lost"] == 0 and result["points_duplicated"] == 0 and result["epochs_retrained"] == 0
         record(
-            "database unreachable for 30 s (TCP proxy cut)", points_lost=0, points_duplicated=0, epochs_retrained=0,
+            "database unreachable for 30 s (TCP proxy cut)", points_lost=0, points_duplicated=0,
+            trials_failed=result["trials_failed"], epochs_retrained=0,
             trials=4, epochs=epochs, recover_s=round(recovered, 2), outage_s=round(restored - cut_at, 1),
             epochs_trained_during_outage=sum(during) - sum(first), how="measured by tests/test_faults_db.py",
         )
@@ -118,7 +119,7 @@ def test_an_outage_far_longer_than_the_pruning_deadline_fails_nothing(ray_cluste
         assert "FAIL" not in result["states"]
         record(
             "database unreachable for 15 pruning deadlines, study with a pruner", points_lost=0, points_duplicated=0,
-            trials_failed=0, epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs,
+            trials_failed=result["trials_failed"], epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs,
             recover_s=round(recovered, 2), outage_s=round(restored - cut_at, 1), prune_reply_timeout_s=1.0,
             states=counts, how="measured by tests/test_faults_db.py (the deadline scaled from 60 s to 1 s)",
         )

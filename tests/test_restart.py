@@ -102,7 +102,7 @@ def test_the_whole_service_killed_with_sigkill_resumes_from_checkpoints(tmp_path
         result = check_resumed(url, name, epochs, durable, stored)
         record(
             "whole service killed -9 and restarted", points_lost=0, points_duplicated=0,
-            epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
+            trials_failed=result["trials_failed"], epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
             resumed_at_epochs=result["resumed_at_epochs"], how="measured by tests/test_restart.py (includes the restart)",
         )
     finally:
@@ -139,7 +139,7 @@ def test_a_standby_server_serves_reads_and_takes_over_when_the_scheduler_dies(da
         result = check_resumed(url, name, epochs, durable, stored)
         record(
             f"scheduler killed -9, standby takes over ({make_backend(url)})", points_lost=0, points_duplicated=0,
-            epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
+            trials_failed=result["trials_failed"], epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
             resumed_at_epochs=result["resumed_at_epochs"], how="measured by tests/test_restart.py",
         )
     finally:
@@ -244,8 +244,8 @@ def test_a_scheduler_whose_lock_session_is_killed_is_fenced_and_the_standby_resu
         assert all(len(at) == 1 and at[0] >= durable[n] for n, at in result["resumed_at_epochs"].items()), result
         record(
             "scheduler lock session killed, old leader alive (postgresql)", points_lost=0, points_duplicated=0,
-            epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
-            resumed_at_epochs=result["resumed_at_epochs"], trials_failed=0, stale_writes_landed=0,
+            trials_failed=result["trials_failed"], epochs_retrained=result["epochs_retrained"], trials=4, epochs=epochs, recover_s=round(recovered, 2),
+            resumed_at_epochs=result["resumed_at_epochs"], stale_writes_landed=0,
             how="measured by tests/test_restart.py (the stale leader refused by the fencing row)",
         )
     finally:
