@@ -12,8 +12,9 @@ took, how good its best trial was and how busy the CPUs were:
   The best value is the study's ``best_trial.value``; arrays and their ``timings`` (per-phase
   seconds, where the server reports them) come from ``GET /api/v1/arrays?study_id=``.
 - **fusetune learning**: the same, with ``"max_concurrent_trials"`` half the sweep's trials in
-  the POST: the sampler asks the second half as trials of the first finish, so TPE learns
-  from them (the default asks every trial of these sweeps at once, to fill the arrays).
+  the POST (``--learning-in-flight``: another number): the sampler asks later trials as earlier
+  ones finish, so TPE learns from them (the default asks every trial of these sweeps at once,
+  to fill the arrays).
 - **fusetune unfused**: the same, with ``"max_array_size": 1`` in the POST (the control).
 - **raytune**: ``ray.tune.Tuner`` over a function trainable that trains the very same
   registered workload (model, search space, data, loss, metric, optimizer, batch size) one
@@ -759,7 +760,7 @@ def bench_fusetune(backend: str, database_url: str, sweeps: list[Sweep], seeds: 
                         if system == "raytune":
                             continue
                         cap = 1 if system == "unfused" else None
-                        concurrent = sweep.n_trials // 2 if system == "learning" else None
+                        concurrent = (args.learning_in_flight or sweep.n_trials // 2) if system == "learning" else None
                         failed_before = server.failed_steps()
                         setup: dict[str, float] = {}
                         if is_package(sweep):
@@ -1311,6 +1312,8 @@ def main() -> None:
                         help="FUSETUNE_CPU_WORKERS (default: the server's, one per core)")
     parser.add_argument("--max-array-size", type=int, default=None,
                         help="FUSETUNE_MAX_ARRAY_SIZE for the server (default: the server's)")
+    parser.add_argument("--learning-in-flight", type=int, default=None,
+                        help="fusetune learning's max_concurrent_trials (default: half the sweep's trials)")
     parser.add_argument("--skip-raytune-scaling", action="store_true",
                         help="do not run Ray Tune on mlp-256x10 and mlp-512x10")
     parser.add_argument("--quick", action="store_true",
