@@ -20,6 +20,8 @@ The models people write (``benchmarks/zoo.py``, second half: gpt, vit, sinusoida
 convnext, rmsnorm, weightnorm, contrastive, einsum) own tensors that have no fused twin
 (a position ``nn.Parameter``, a causal-mask buffer, a LayerScale gain, ...); the engine
 runs those modules on its batched path (``torch.func.vmap``) with the twins inside fused.
+``rcnn8`` and ``rcnn16`` are the residual CNN of ``docs/examples/residual_cnn.py`` at its two
+widths, the model ``benchmarks/e2e.py --workload residual-cnn`` sweeps.
 
 Usage: python benchmarks/fusion.py [--models mlp,cnn,resnet,transformer,lstm,pointnet,gpt,vit,...]
        [--members 1,2,4,8,16] [--paths serial,fused,func] [--steps 10]
@@ -34,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import pathlib
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 # Run as a script, this file's directory is sys.path[0] and this very file
 # (benchmarks/fusion.py) would shadow the fusion package; import the package
@@ -93,6 +97,23 @@ def _tokens(n: int, seq: int = 32, vocab: int = 1000) -> torch.Tensor:
     return x
 
 
+def _example(name: str) -> Any:
+    """A program of docs/examples, loaded by path (it is not a package), once."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _HERE.parent / "docs" / "examples" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _residual_cnn(width: int) -> nn.Module:
+    """The user's residual CNN of docs/examples/residual_cnn.py (what benchmarks/e2e.py sweeps)."""
+    model: nn.Module = _example("residual_cnn").ResidualCNN(width)
+    return model
+
+
 def _labels(n: int) -> torch.Tensor:
     return torch.randint(0, 10, (n,))
 
@@ -115,6 +136,9 @@ WORKLOADS: dict[str, Workload] = {
                             lambda n: ((torch.randn(n, 48), torch.randint(0, 128, (n, 8))), torch.arange(n)),
                             contrastive_loss),
     "einsum": Workload(EinsumTransformer, lambda n: ((torch.randint(0, 128, (n, 16)),), _labels(n))),
+    # docs/examples/residual_cnn.py's model at its two widths (the e2e sweep's two classes).
+    "rcnn8": Workload(lambda: _residual_cnn(8), lambda n: ((torch.randn(n, 3, 32, 32),), _labels(n))),
+    "rcnn16": Workload(lambda: _residual_cnn(16), lambda n: ((torch.randn(n, 3, 32, 32),), _labels(n))),
 }
 
 # ----------------------------------------------------------------------------- paths
