@@ -106,27 +106,31 @@ def _state(url: str, study_id: int) -> StudyState:
         return session.get(Study, study_id).state
 
 
-def test_an_array_of_one_goes_on_with_the_next_trial_where_its_member_leaves(ray_cluster: str, tmp_path: Path) -> None:
-    """Unfused (arrays of one), each trial's successor is offered two epochs before the
-    trial's last and starts in the same array at the boundary where it ends: the worker
-    trains the study's trials one after the other without waiting for a scheduling round
-    between them, and never two at once.
+@pytest.mark.parametrize(("policy", "study_cap"), [("fusetune", 1), ("fifo", None)])
+def test_an_array_of_one_goes_on_with_the_next_trial_where_its_member_leaves(
+    ray_cluster: str, tmp_path: Path, policy: str, study_cap: int | None
+) -> None:
+    """Unfused (arrays of one: the study's cap, or a policy that does not fuse, whatever the
+    service's cap), each trial's successor is offered two epochs before the trial's last and
+    starts in the same array at the boundary where it ends: the worker trains the study's
+    trials one after the other without waiting for a scheduling round between them, and
+    never two at once.
 
     The study's pruner (which never prunes) makes the worker wait for each report's reply,
     so the hand-stepped loop is always ahead of it: the offer always arrives in time.
     """
     url = f"sqlite:///{tmp_path / 'fusetune.db'}"
     settings = Settings(database_url=url, ray_address=ray_cluster, cpu_workers=1, max_array_size=4,
-                        artifact_dir=tmp_path / "artifacts")
+                        artifact_dir=tmp_path / "artifacts", scheduling_policy=policy)
     upgrade(url)
     get_optuna_storage(url)
     with get_sessionmaker(url)() as session:
         study_id = service.create_study(session, url, StudyCreate(
-            workload="digits-mlp", n_trials=3, epochs=4, name="chain", search_space=BACKFILL_SPACE, max_array_size=1,
+            workload="digits-mlp", n_trials=3, epochs=4, name="chain", search_space=BACKFILL_SPACE, max_array_size=study_cap,
             sampler={"name": "RandomSampler", "kwargs": {"seed": 0}},
             pruner={"name": "ThresholdPruner", "kwargs": {"lower": -1.0}},
         )).id
-    run_by_hand(settings, study_id, "chain")
+    run_by_hand(settings, study_id, f"chain-{policy}")
     with get_sessionmaker(url)() as session:
         (array,) = session.scalars(sa.select(Array).where(Array.study_id == study_id)).all()
         size, epochs = array.size, array.epochs_done

@@ -66,7 +66,7 @@ class _Round:
         if worker is None or not ids:
             return 0.0
         study = self.waiting[ids[0]][1]
-        limit = study.max_array_size or self.dispatcher.settings.max_array_size
+        limit = self.dispatcher.array_cap(study)
         curve = self.dispatcher.scheduler.throughput.curve(p.signature, worker.device_type)
         # The size it starts with (_start_placed), not the scheduler's: two classes of one sweep
         # start at their shares of the devices, whatever sizes the scheduler chose for them.
@@ -119,11 +119,19 @@ class Dispatcher:
                 started = self._start_placed(session, round_, placement) or started
             elif placement.device_id in round_.busy and getattr(self.state.running.get(placement.device_id), "signature", None) == placement.signature:
                 study = round_.waiting[ids[0]][1]
-                cap = min(len(placement.trial_ids), study.max_array_size or self.settings.max_array_size)
+                cap = min(len(placement.trial_ids), self.array_cap(study))
                 self._top_up(session, round_.busy[placement.device_id], ids, cap, round_.rows, round_.waiting, round_.finishing)
                 topped.add(placement.device_id)
         self._chain(session, round_, topped)
         return started
+
+    def array_cap(self, study: Study) -> int:
+        """Most members an array of ``study`` holds: its cap, or the service's; 1 under a
+        policy that does not fuse (``fifo``, ``gavel``, ``oef``, ...), which placed one trial
+        per device and is compared, live and simulated, as it decided."""
+        if not self.scheduler.fusion:
+            return 1
+        return study.max_array_size or self.settings.max_array_size
 
     def _decide(self, session: Session, listed: Sequence[Study], asking: Collection[int]) -> _Round | None:
         """The round's decision, from the unfinished trials, the devices and the tenants' weights
@@ -171,7 +179,7 @@ class Dispatcher:
         worker = round_.idle[placement.device_id]
         ids = [i for i in placement.trial_ids if i in round_.waiting]
         study = round_.waiting[ids[0]][1]
-        limit = study.max_array_size or self.settings.max_array_size
+        limit = self.array_cap(study)
         queue = [PendingTrial(trial_id=i, signature=placement.signature) for i, (t, _) in round_.waiting.items() if class_of(t) == placement.signature]
         share = math.ceil(len(queue) / max(1, round_.starts[placement.signature]))
         round_.starts[placement.signature] -= 1
@@ -207,7 +215,7 @@ class Dispatcher:
             queue = [i for i, (t, _) in round_.waiting.items() if class_of(t) == current.signature]
             if queue:
                 study = round_.waiting[queue[0]][1]
-                cap = study.max_array_size or self.settings.max_array_size
+                cap = self.array_cap(study)
                 self._top_up(session, worker, queue, cap, round_.rows, round_.waiting, round_.finishing, chain=True)
 
     # -- the parts of a round ----------------------------------------------------------------------
@@ -271,7 +279,7 @@ class Dispatcher:
         queues: dict[str, list[int]] = {}
         for trial_id, (trial, _) in waiting.items():
             queues.setdefault(class_of(trial), []).append(trial_id)
-        cap = {c: waiting[ids[0]][1].max_array_size or self.settings.max_array_size for c, ids in queues.items()}
+        cap = {c: self.array_cap(waiting[ids[0]][1]) for c, ids in queues.items()}
         needed = {c: math.ceil(len(ids) / cap[c]) for c, ids in queues.items()}
         given: Counter[str] = Counter()
         out = []
