@@ -329,14 +329,19 @@ def _oef(p: AllocationProblem, v: Vars, es: EqualShare, prefer: np.ndarray) -> t
     are violated, most pairs never bind), and an owner with rows whose classes the
     solution now serves in full is frozen: its classes held in full from then on, its
     rows dropped (water-filling).  Keeping a served class's rows would cap the others at
-    what it can use and leave devices idle.  Rows are only added and owners only frozen,
-    so this ends; ``_OEF_PASSES`` bounds it (the last solution is kept, with whatever
-    envy is left, which the simulator's metric reports).
+    what it can use and leave devices idle.  But the LP may have served it in full only
+    because that cost no throughput then, and held in full it can keep what a short owner
+    needs to stop envying it: a frozen owner that a short owner envies is thawed, once (its
+    rows count again, it is never frozen again, and it may be left short).  Rows are only
+    added, and each owner is frozen and thawed at most once, so this ends;
+    ``_OEF_PASSES`` bounds it (the last solution is kept, with whatever envy is left,
+    which the simulator's metric reports).
     """
     val = _valuations(p, v, es)
     n_o = val.tenant.shape[0]
     pairs = np.zeros((n_o, p.n_tenants), dtype=bool)
     frozen = np.zeros(n_o, dtype=bool)
+    thawed = np.zeros(n_o, dtype=bool)
     secs = 0.0
     x: np.ndarray | None = None
     for _ in range(_OEF_PASSES):
@@ -346,11 +351,16 @@ def _oef(p: AllocationProblem, v: Vars, es: EqualShare, prefer: np.ndarray) -> t
             break
         x = sol
         short = val.short(short_classes(p, v, scatter(p, v, x)[1]))
-        served = pairs.any(axis=1) & ~frozen & ~short
-        violated = (short & ~frozen)[:, None] & (_envy(p, v, val, x) > _ENVY_RTOL) & ~pairs
-        if not served.any() and not violated.any():
+        envy = _envy(p, v, val, x) > _ENVY_RTOL
+        served = pairs.any(axis=1) & ~frozen & ~short & ~thawed
+        violated = (short & ~frozen)[:, None] & envy & ~pairs
+        # A frozen owner that a short owner envies: held in full, it may keep what the
+        # envier needs (tests/scheduler/test_oef.py has two such problems).
+        thaw = frozen & (short[:, None] & ~frozen[:, None] & envy)[:, val.tenant].any(axis=0)
+        if not served.any() and not violated.any() and not thaw.any():
             break
-        frozen |= served
+        frozen = (frozen | served) & ~thaw
+        thawed |= thaw
         pairs |= violated
     return x, secs
 

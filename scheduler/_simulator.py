@@ -7,6 +7,11 @@ calibrated curves.  The scheduler decides with the same curves (oracle throughpu
 Gavel's simulator).  A trial that finishes mid-round frees its slot at the next round
 (an epoch boundary); preemption and restart are free, as in Gavel's default.
 
+A decision takes effect at once, unless the trials carry their epochs' length
+(``TraceTrial.epoch_steps``): then an array whose members are between epoch boundaries
+goes on unchanged until its next one, as a live array does (members join, leave and are
+preempted at its epoch boundaries), and the devices and trials it holds wait for it.
+
 Device time is charged to an array's members equally (each of B members is charged
 ``1/B`` of the device's time) and to a tenant as the sum over its members; since arrays
 never mix tenants, a tenant is charged exactly the devices its arrays hold.
@@ -21,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -91,6 +96,7 @@ class _Replay:
         self.info = {t.trial_id: t for t in trials}
         self.left = {t.trial_id: t.steps for t in trials}
         self.done_at: dict[int, float] = {}
+        self.to_boundary: set[int] = set()  # this round's members of arrays held to their epoch boundary
         self.last_arrival = max((t.arrival for t in trials), default=0.0)
         n_t = len(self.names)
         # Metric accumulators (all integrate over time in seconds).
@@ -121,13 +127,47 @@ class _Replay:
             info = self.info
             pending = [PendingTrial(i, info[i].job_type, info[i].tenant, info[i].study_id, 0.0, 1) for i in live]
             decision = self.sched.decide(now, pending, self.devices, self.tenants, running)
-            running = decision.placements
+            running = self._at_boundaries(running, decision.placements)
+            if running != decision.placements:
+                decision = replace(decision, placements=running)
             self.rounds += 1
             if decision.allocation is not None:
                 self.solver_ms.append(decision.solver_seconds * 1e3)
             self._account(now, pending, decision)
             self._advance(now, running)
             now += self.dt
+
+    def _between_epochs(self, trial_id: int) -> bool:
+        """Whether the trial is between two of its epoch boundaries (never without epochs)."""
+        epoch = self.info[trial_id].epoch_steps
+        if epoch <= 0:
+            return False
+        position = (self.info[trial_id].steps - self.left[trial_id]) % epoch
+        return 1e-6 * epoch < position < epoch * (1 - 1e-6)
+
+    def _at_boundaries(self, previous: Sequence[Placement], decided: Sequence[Placement]) -> tuple[Placement, ...]:
+        """What runs this round: ``decided``, except that an array whose membership it changes
+        while its members are between epoch boundaries goes on unchanged to the next one
+        (:meth:`_advance` stops it there), its device and its members held until then."""
+        wanted = {p.device_id: p for p in decided}
+        held: list[Placement] = []
+        for p in previous:
+            ids = tuple(i for i in p.trial_ids if i not in self.done_at)
+            q = wanted.get(p.device_id)
+            unchanged = q is not None and q.signature == p.signature and set(q.trial_ids) == set(ids)
+            if ids and not unchanged and any(self._between_epochs(i) for i in ids):
+                held.append(replace(p, trial_ids=ids))
+        if not held:
+            return tuple(decided)
+        devices = {p.device_id for p in held}
+        busy = {i for p in held for i in p.trial_ids}
+        self.to_boundary.update(busy)
+        out = list(held)
+        for q in decided:
+            ids = tuple(i for i in q.trial_ids if i not in busy)
+            if q.device_id not in devices and ids:
+                out.append(replace(q, trial_ids=ids) if len(ids) != len(q.trial_ids) else q)
+        return tuple(out)
 
     def _round_values(self, pending: Sequence[PendingTrial], decision: Decision) -> tuple[np.ndarray, ...]:
         """This round's e_i, saturation, realised u_i, bundles, waiting flags and class values."""
@@ -194,7 +234,8 @@ class _Replay:
             self.active_weight_at_arrival.setdefault(p.trial_id, float(self.wv[active].sum()))
 
     def _advance(self, now: float, running: Sequence[Placement]) -> None:
-        """Advance every array by one round at the true speed of its curve."""
+        """Advance every array by one round at the true speed of its curve; an array held to
+        its epoch boundary (:meth:`_at_boundaries`) stops there."""
         for p in running:
             curve = self.curves[(p.signature, self.device_type[p.device_id])]
             per_member = curve.rate(len(p.trial_ids)) / len(p.trial_ids)
@@ -203,8 +244,13 @@ class _Replay:
                 if need <= self.dt:
                     self.done_at[i] = now + need
                     self.left[i] = 0.0
-                else:
-                    self.left[i] -= per_member * self.dt
+                    continue
+                work = per_member * self.dt
+                if i in self.to_boundary:
+                    epoch = self.info[i].epoch_steps
+                    work = min(work, epoch - (self.info[i].steps - self.left[i]) % epoch)
+                self.left[i] -= work
+        self.to_boundary.clear()
 
     def result(self, policy: str, studies: Sequence[TraceStudy], trials: Sequence[TraceTrial]) -> SimResult:
         """The metrics (see docs/scheduling.md for every definition)."""

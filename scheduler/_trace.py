@@ -41,7 +41,12 @@ class PhillyJob:
 
 @dataclass(frozen=True)
 class TraceTrial:
-    """One simulated trial: the work it needs in steps of its job type."""
+    """One simulated trial: the work it needs in steps of its job type.
+
+    ``epoch_steps`` is the length of its epochs in steps: with it, the simulator changes the
+    trial's array only at its epoch boundaries, as the live loop does (members join, leave
+    and are preempted there). 0 (the Philly slice's, whose epochs are unknown): anywhere.
+    """
 
     trial_id: int
     study_id: int
@@ -49,6 +54,7 @@ class TraceTrial:
     job_type: str
     arrival: float
     steps: float
+    epoch_steps: float = 0.0
 
 
 @dataclass(frozen=True)

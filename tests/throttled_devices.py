@@ -40,10 +40,10 @@ WIDTHS = {"a": 8, "b": 16}
 #: (job type, device type) -> its true speed: ``a`` gains 3x on the fast device and fuses
 #: well, ``b`` gains little there and fuses less well (the heterogeneity a policy can use).
 MATRIX = {
-    ("a", "fast"): SpeedupCurve(solo_steps_per_s=6.0, marginal_cost=0.3),
-    ("a", "slow"): SpeedupCurve(solo_steps_per_s=2.0, marginal_cost=0.3),
-    ("b", "fast"): SpeedupCurve(solo_steps_per_s=3.0, marginal_cost=0.5),
-    ("b", "slow"): SpeedupCurve(solo_steps_per_s=2.5, marginal_cost=0.5),
+    ("a", "fast"): SpeedupCurve(solo_steps_per_s=9.0, marginal_cost=0.3),
+    ("a", "slow"): SpeedupCurve(solo_steps_per_s=3.0, marginal_cost=0.3),
+    ("b", "fast"): SpeedupCurve(solo_steps_per_s=4.5, marginal_cost=0.5),
+    ("b", "slow"): SpeedupCurve(solo_steps_per_s=3.75, marginal_cost=0.5),
 }
 
 

@@ -61,3 +61,21 @@ def test_fusion_and_fairness_finish_the_mini_trace_sooner_than_fifo() -> None:
     fusetune = simulate("fusetune", studies, trials, CURVES, {"fast": 1, "slow": 1}, **kwargs)  # type: ignore[arg-type]
     assert fusetune.avg_jct_h < fifo.avg_jct_h
     assert fusetune.makespan_h < fifo.makespan_h
+
+
+@pytest.mark.parametrize("policy", ["gavel", "fusetune"])
+def test_a_preemption_waits_for_the_members_epoch_boundary_when_trials_have_epochs(policy: str) -> None:
+    """One device; tenant A's long trial (epochs of 10 steps, 1 step/s) runs when tenant B's
+    short one arrives at t = 1, and leases expire at once. Without epochs the simulator
+    shares the device from the next round; with them A's array goes on to its boundary at
+    t = 10, as a live array does, and only then does B's trial start (4 steps: done at 14)."""
+    curves = {("x", "d"): SpeedupCurve(1.0, 1.0), ("y", "d"): SpeedupCurve(1.0, 1.0)}
+    studies = [TraceStudy(0, "A", "x", 0.0, (0,)), TraceStudy(1, "B", "y", 1.0, (1,))]
+
+    def b_jct(epoch_steps: float) -> float:
+        trials = [TraceTrial(0, 0, "A", "x", 0.0, 40.0, epoch_steps), TraceTrial(1, 1, "B", "y", 1.0, 4.0, epoch_steps)]
+        result = simulate(policy, studies, trials, curves, {"d": 1}, {"d": GIB}, round_seconds=1.0, lease_seconds=0.0, seed=None)
+        return result.jct_by_study[1]
+
+    assert b_jct(0.0) < 9.0  # B shares the device before A's first epoch would end
+    assert b_jct(10.0) == pytest.approx(10.0 - 1.0 + 4.0)
