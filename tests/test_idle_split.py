@@ -43,7 +43,7 @@ def test_the_idle_device_takes_half_of_the_costlier_array_and_they_resume_there(
                         prior_marginal_cost=1.0, min_member_efficiency=1e-6)
     upgrade(url)
     get_optuna_storage(url)
-    epochs = 20
+    epochs = 40  # long enough that the split pays even when other work slows the narrow array
     with get_sessionmaker(url)() as session:
         study_id = service.create_study(session, url, StudyCreate(
             workload="tests.paced_workload:WIDTHS", n_trials=16, epochs=epochs, name="widths",

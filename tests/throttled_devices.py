@@ -18,23 +18,22 @@ from __future__ import annotations
 import math
 import os
 import time
-from functools import lru_cache
 from typing import Any
 
 import optuna
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from fusetune.scheduler import SpeedupCurve
 from fusetune.workers.workloads import Workload, accuracy
 
+# The paced workload's data: STEPS batches of BATCH random points per epoch, FEATURES wide.
+from tests.paced_workload import BATCH, CLASSES, FEATURES, data
+from tests.paced_workload import STEPS as STEPS  # training batches per epoch, read by the live test
+
 #: The environment variable naming a node's device type, set on its ``ray start``.
 DEVICE_ENV = "FUSETUNE_TEST_DEVICE"
-FEATURES, CLASSES, BATCH = 8, 4, 16
-#: Training batches per epoch.
-STEPS = 4
 #: Job type -> the MLP width that makes it (its trials' shape signature).
 WIDTHS = {"a": 8, "b": 16}
 #: (job type, device type) -> its true speed: ``a`` gains 3x on the fast device and fuses
@@ -45,16 +44,6 @@ MATRIX = {
     ("b", "fast"): SpeedupCurve(solo_steps_per_s=4.5, marginal_cost=0.5),
     ("b", "slow"): SpeedupCurve(solo_steps_per_s=3.75, marginal_cost=0.5),
 }
-
-
-@lru_cache(maxsize=1)
-def data() -> tuple[TensorDataset, TensorDataset]:
-    """(train, validation): STEPS batches of random points, and one, labelled by their
-    largest feature modulo CLASSES."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn((STEPS + 1) * BATCH, FEATURES, generator=generator)
-    y = x.argmax(dim=1) % CLASSES
-    return TensorDataset(x[: STEPS * BATCH], y[: STEPS * BATCH]), TensorDataset(x[STEPS * BATCH :], y[STEPS * BATCH :])
 
 
 class Throttle(nn.Module):
