@@ -12,6 +12,13 @@ A decision takes effect at once, unless the trials carry their epochs' length
 goes on unchanged until its next one, as a live array does (members join, leave and are
 preempted at its epoch boundaries), and the devices and trials it holds wait for it.
 
+Every round the scheduler decides every placement again, as Gavel's simulator does. With
+``live_loop=True`` the replay follows the live loop's two rules of dispatch instead
+(``server/loop/dispatch.py``): the scheduler decides only in rounds where some trial waits for
+a device (running arrays otherwise go on as they are), and a device whose array ended keeps
+its class where that class has trials waiting and the scheduler gave the device to no other
+tenant (the live loop's chain: a study's trials follow each other on the device).
+
 Device time is charged to an array's members equally (each of B members is charged
 ``1/B`` of the device's time) and to a tenant as the sum over its members; since arrays
 never mix tenants, a tenant is charged exactly the devices its arrays hold.
@@ -82,8 +89,10 @@ class _Replay:
         devices: Sequence[Device],
         weights: Mapping[str, float],
         round_seconds: float,
+        live_loop: bool = False,
     ) -> None:
         self.sched, self.curves, self.devices, self.dt = sched, curves, devices, round_seconds
+        self.live_loop = live_loop
         self.device_type = {d.device_id: d.device_type for d in devices}
         self.names = sorted({t.tenant for t in trials})
         self.w = {n: weights.get(n, 1.0) for n in self.names}
@@ -126,7 +135,15 @@ class _Replay:
                 continue
             info = self.info
             pending = [PendingTrial(i, info[i].job_type, info[i].tenant, info[i].study_id, 0.0, 1) for i in live]
-            decision = self.sched.decide(now, pending, self.devices, self.tenants, running)
+            kept = tuple(
+                replace(p, trial_ids=ids) for p in running if (ids := tuple(i for i in p.trial_ids if i not in self.done_at))
+            )
+            if self.live_loop and len(live) == sum(len(p.trial_ids) for p in kept):
+                decision = Decision(kept, (), (), None)  # nothing waits: the live loop decides nothing
+            else:
+                decision = self.sched.decide(now, pending, self.devices, self.tenants, running)
+                if self.live_loop:
+                    decision = self._chained(running, decision, live)
             running = self._at_boundaries(running, decision.placements)
             if running != decision.placements:
                 decision = replace(decision, placements=running)
@@ -136,6 +153,33 @@ class _Replay:
             self._account(now, pending, decision)
             self._advance(now, running)
             now += self.dt
+
+    def _chained(self, previous: Sequence[Placement], decision: Decision, live: Sequence[int]) -> Decision:
+        """``decision``, where a device whose array ended since the last round goes on with its
+        class's waiting trials (as many as it held) when the scheduler left it idle or gave it
+        to another class of the same tenant: the live loop's chain. The trials the scheduler
+        had put there wait instead."""
+        placed = {i for p in decision.placements for i in p.trial_ids}
+        queues: dict[str, list[int]] = {}
+        for i in live:
+            if i not in placed:
+                queues.setdefault(self.info[i].job_type, []).append(i)
+        given = {p.device_id: p for p in decision.placements}
+        out = dict(given)
+        for p in previous:
+            if any(i not in self.done_at for i in p.trial_ids):
+                continue  # the array goes on: the scheduler's backfill, not a chain
+            q = given.get(p.device_id)
+            queue = queues.get(p.signature)
+            if not queue or (q is not None and (q.tenant != p.tenant or q.signature == p.signature)):
+                continue
+            ids = tuple(queue[: len(p.trial_ids)])
+            del queue[: len(ids)]
+            lease = q.lease_expires if q is not None else p.lease_expires
+            out[p.device_id] = Placement(p.device_id, p.signature, p.tenant, ids, lease)
+        if out == given:
+            return decision
+        return replace(decision, placements=tuple(out.values()))
 
     def _between_epochs(self, trial_id: int) -> bool:
         """Whether the trial is between two of its epoch boundaries (never without epochs)."""
@@ -307,6 +351,7 @@ def simulate(
     backfill: bool = True,
     prices: Mapping[str, float] | None = None,
     lease_seconds: float | None = None,
+    live_loop: bool = False,
 ) -> SimResult:
     """Replay ``trials`` on ``cluster`` under ``policy``; return its metrics.
 
@@ -324,6 +369,10 @@ def simulate(
             live service lists a node's workers (a replay compared with a live run).
         backfill: False leaves devices the allocation does not fill idle (Gavel's LP alone).
         prices: public device prices for ``oef-noncooperative``'s exchanges.
+        live_loop: False (Gavel's simulator, the tables): the scheduler decides every
+            placement again every round; True: dispatch as the live loop does (decide only
+            when a trial waits; a device whose array ended keeps its class: the module
+            docstring), what a live run is compared with.
     """
     model = ThroughputModel()
     for (job, gpu), curve in curves.items():
@@ -339,6 +388,6 @@ def simulate(
     # random type (as on a real Ray cluster) instead of always the slowest type first.
     if seed is not None:
         random.Random(seed).shuffle(devices)
-    replay = _Replay(sched, trials, curves, devices, weights or {}, round_seconds)
+    replay = _Replay(sched, trials, curves, devices, weights or {}, round_seconds, live_loop)
     replay.run()
     return replay.result(policy, studies, trials)

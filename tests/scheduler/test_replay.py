@@ -79,3 +79,45 @@ def test_a_preemption_waits_for_the_members_epoch_boundary_when_trials_have_epoc
 
     assert b_jct(0.0) < 9.0  # B shares the device before A's first epoch would end
     assert b_jct(10.0) == pytest.approx(10.0 - 1.0 + 4.0)
+
+
+def test_as_the_live_loop_nothing_is_decided_while_no_trial_waits() -> None:
+    """Tenant B's short trial takes the fast device and A's long one the slow device (4x
+    slower); B's ends at t = 2. Deciding every round, as Gavel's simulator does, the scheduler
+    moves A's trial to the fast device then; the live loop decides only when a trial waits,
+    so A's trial stays where it started (``live_loop=True``)."""
+    curves = {(j, g): SpeedupCurve(4.0 if g == "fast" else 1.0, 1.0) for j in "xy" for g in ("fast", "slow")}
+    studies = [TraceStudy(0, "B", "y", 0.0, (0,)), TraceStudy(1, "A", "x", 0.0, (1,))]
+    trials = [TraceTrial(0, 0, "B", "y", 0.0, 8.0), TraceTrial(1, 1, "A", "x", 0.0, 40.0)]
+
+    def a_jct(live_loop: bool) -> float:
+        result = simulate(
+            "fusetune", studies, trials, curves, {"fast": 1, "slow": 1}, {"fast": GIB, "slow": GIB},
+            round_seconds=1.0, lease_seconds=0.0, seed=None, live_loop=live_loop,
+        )
+        assert result.jct_by_study[0] == pytest.approx(2.0)
+        return result.jct_by_study[1]
+
+    assert a_jct(False) == pytest.approx(2.0 + (40.0 - 2.0) / 4.0)
+    assert a_jct(True) == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("policy", ["gavel", "fusetune"])
+def test_as_the_live_loop_a_device_goes_on_with_its_studys_next_trial(policy: str) -> None:
+    """One device; tenant A's study 0 has two trials of 4 s, its study 1 one, arriving at
+    t = 0.5. When study 0's first trial ends, the scheduler (max-min within the tenant) gives
+    the device to study 1; the live loop's chain keeps it for study 0's next trial, so study
+    0 ends at 8 s and study 1 after it."""
+    curves = {("x", "d"): SpeedupCurve(1.0, 1.0), ("z", "d"): SpeedupCurve(1.0, 1.0)}
+    studies = [TraceStudy(0, "A", "x", 0.0, (0, 1)), TraceStudy(1, "A", "z", 0.5, (2,))]
+    trials = [TraceTrial(0, 0, "A", "x", 0.0, 4.0), TraceTrial(1, 0, "A", "x", 0.0, 4.0), TraceTrial(2, 1, "A", "z", 0.5, 4.0)]
+
+    def jcts(live_loop: bool) -> dict[int, float]:
+        result = simulate(
+            policy, studies, trials, curves, {"d": 1}, {"d": GIB}, round_seconds=1.0, lease_seconds=0.0, seed=None,
+            max_members=1, live_loop=live_loop,
+        )
+        return dict(result.jct_by_study)
+
+    assert jcts(False) == pytest.approx({0: 12.0, 1: 7.5})
+    assert jcts(True) == pytest.approx({0: 8.0, 1: 11.5})
