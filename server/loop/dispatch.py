@@ -7,8 +7,8 @@ the scheduler, the study and memory allow; the slowest array of a round first); 
 that adds waiting trials to a running array offers them to it (backfill, and successors of
 members on their last epochs, offered ahead so the worker never waits for a round); members
 the scheduler preempts leave at their array's next boundary; and a device left idle with
-nothing waiting takes half of a running array's members when the measured speeds say that
-ends them sooner (:func:`split_plan`).
+nothing waiting takes half of a running array's members (or, of a faster type, all of them)
+when the measured speeds say that ends them sooner (:func:`split_plan`).
 """
 
 from __future__ import annotations
@@ -301,14 +301,19 @@ class Dispatcher:
 
     def split_for_idle(self, session: Session) -> None:
         """A device idle with nothing waiting takes half of a running array's members, when
-        the measured speeds say both halves end sooner than the whole array would.
+        the measured speeds say both halves end sooner than the whole array would; or, under
+        a fusing policy that weighs device types (``fusetune``), all of them, when it is of
+        a faster type and that saves more.
 
         The classes of a sweep cost differently (a wider model takes longer per epoch), so
         the device of the cheaper class goes idle while the other class's array still has
-        epochs to train. Its members with the most epochs left leave at the array's next
-        boundary with their checkpoints, as preempted members do (:meth:`_preempt`), and
-        the next round starts them on the idle device (:func:`split_plan` weighs it). One
-        array a round, and none while members it was asked to let go have not left yet.
+        epochs to train. On a cluster of several device types, a fast device goes idle while
+        a slow one still trains: the scheduler placed the array there while the fast one was
+        busy, and it decides again only when trials wait. The members with the most epochs
+        left leave at the array's next boundary with their checkpoints, as preempted members
+        do (:meth:`_preempt`), and the next round starts them on the idle device
+        (:func:`split_plan` weighs it, with the idle device type's curve). One move a round,
+        and none while members it was asked to let go have not left yet.
         """
         if self.state.moves:
             return  # members on their way to an idle device: one move at a time
@@ -316,12 +321,15 @@ class Dispatcher:
         unfinished = rows.movable(session)
         if any(t.state == TrialState.WAITING for t in unfinished):
             return  # trials wait for a device, or for the array offered them: nothing moves
+        # Moving members by device speed is a heterogeneity-aware policy's call; fifo and the
+        # unfused policies are compared, live and simulated, as they decide.
+        across_types = self.scheduler.fusion and self.scheduler.fairness is not None
         busy = {w.name: (w, w.spec) for w in self.ctx.pool.workers if w.spec is not None}
-        best: tuple[float, str, list[int]] | None = None
+        best: tuple[float, str, str, list[int]] | None = None
         for name, (worker, spec) in busy.items():
             live, current = self.state.live.get(spec.array_id), self.state.running.get(name)
             if (
-                worker.device_type not in idle or live is None or current is None or live.client_decides
+                live is None or current is None or live.client_decides
                 or live.study_id in self.state.halting  # paused or stopping: its members leave anyway
             ):
                 continue
@@ -333,17 +341,26 @@ class Dispatcher:
             epoch_s, size = live.last_epoch
             curve = self.scheduler.throughput.curve(spec.signature, worker.device_type)
             build_s = live.timings.get("build_s", 0.0)
-            movers, saved = split_plan(
-                remaining, epoch_s if size == len(members) else 0.0, build_s, curve.rate, self.settings.move_latency_s
-            )
-            if movers and (best is None or saved > best[0]):
-                best = (saved, name, movers)
+            # The fastest idle type for the class first: of moves that save as much, its.
+            speed = {g: self.scheduler.throughput.curve(spec.signature, g).rate(1) for g in idle}
+            for device_type, target in sorted(idle.items(), key=lambda kv: -speed[kv[0]]):
+                if device_type == worker.device_type:
+                    target_rate = None
+                elif across_types:
+                    target_rate = self.scheduler.throughput.curve(spec.signature, device_type).rate
+                else:
+                    continue
+                movers, saved = split_plan(
+                    remaining, epoch_s if size == len(members) else 0.0, build_s, curve.rate,
+                    self.settings.move_latency_s, target_rate,
+                )
+                if movers and (best is None or saved > best[0]):
+                    best = (saved, name, target.name, movers)
         if best is not None:
-            saved, name, movers = best
-            target = idle[busy[name][0].device_type].name
-            log.info("worker %s: %d members move to %s (%.2f s sooner, estimated)", name, len(movers), target, saved)
+            saved, name, target_name, movers = best
+            log.info("worker %s: %d members move to %s (%.2f s sooner, estimated)", name, len(movers), target_name, saved)
             self._preempt(movers, {n: w for n, (w, _) in busy.items()}, [(t, None) for t in unfinished])
-            self.state.moves[target] = movers
+            self.state.moves[target_name] = movers
 
     def _start_moves(
         self, session: Session, found: Sequence[Any], idle: dict[str, WorkerHandle], waiting: dict[int, tuple[Any, Study]]
@@ -478,37 +495,53 @@ class Dispatcher:
 
 
 def split_plan(
-    remaining: Mapping[int, int], epoch_s: float, build_s: float, rate: Callable[[int], float], latency_s: float = 0.05
+    remaining: Mapping[int, int],
+    epoch_s: float,
+    build_s: float,
+    rate: Callable[[int], float],
+    latency_s: float = 0.05,
+    target_rate: Callable[[int], float] | None = None,
 ) -> tuple[list[int], float]:
     """Which members of a running array move to an idle device, and the seconds that saves.
 
     ``remaining``: each member's epochs left after the one it trains now; ``epoch_s``: the
     array's last epoch with these members (0: unknown); ``build_s``: the seconds its first
     build took; ``rate(b)``: the class's models·steps/s in an array of ``b`` on this device
-    type (scheduler.ThroughputModel). Of the members that go on after this epoch, half
-    move, those with the most epochs left; each half then trains at the speed of its size.
-    A move costs the movers' checkpoints, their build and their resume (a build each, about)
-    and ``latency_s`` (the rest: the wait for the boundary, a scheduling round, the new
-    array's start, both halves sharing the machine; ``Settings.move_latency_s``). Returns
-    ``([], 0.0)`` unless both halves are estimated to end at least _SPLIT_MIN_GAIN of the
-    time left sooner: the estimate is rough, and a move of little gain may lose.
+    type (scheduler.ThroughputModel); ``target_rate``: the same on the idle device's type
+    where that is another one (None: the same type). Of the members that go on after this
+    epoch, half move, those with the most epochs left, and each half then trains at the speed
+    of its size on its device; to a device of another type all of them may move instead, where
+    that saves more (a faster device idles while a slower one trains). A move costs the
+    movers' checkpoints, their build and their resume (a build each, about) and ``latency_s``
+    (the rest: the wait for the boundary, a scheduling round, the new array's start, both
+    halves sharing the machine; ``Settings.move_latency_s``). Returns ``([], 0.0)`` unless
+    the members are estimated to end at least _SPLIT_MIN_GAIN of the time left sooner: the
+    estimate is rough, and a move of little gain may lose.
     """
     size = len(remaining)
     # Those on their last epoch end at this boundary: the split is of the others.
     going_on = sorted((i for i in remaining if remaining[i] >= 1), key=lambda i: (-remaining[i], i))
-    k = len(going_on) // 2
-    if k < 1 or epoch_s <= 0 or rate(size) <= 0:
+    if not going_on or epoch_s <= 0 or rate(size) <= 0:
         return [], 0.0
-    movers, stayers = going_on[:k], going_on[k:]
+    there = rate if target_rate is None else target_rate
+    # Seconds per epoch of an array of b on each device, scaled from the measured one by the curves.
+    per_model_s = epoch_s * rate(size) / size
 
-    def epoch(b: int) -> float:  # the time of an epoch of b members, from the measured one
-        return epoch_s * (b / rate(b)) / (size / rate(size))
+    def epoch(b: int, speed: Callable[[int], float]) -> float:
+        r = speed(b)
+        return per_model_s * b / r if r > 0 else math.inf
 
-    keep = remaining[going_on[0]] * epoch(len(going_on))
-    stay = remaining[stayers[0]] * epoch(len(stayers))
-    move = 3 * build_s * k / size + latency_s + remaining[movers[0]] * epoch(k)
-    saved = keep - max(stay, move)
-    return (movers, saved) if saved >= _SPLIT_MIN_GAIN * keep else ([], 0.0)
+    keep = remaining[going_on[0]] * epoch(len(going_on), rate)
+    best: tuple[list[int], float] = ([], 0.0)
+    sizes = {len(going_on) // 2} | ({len(going_on)} if target_rate is not None else set())
+    for k in sorted(sizes - {0}):
+        movers, stayers = going_on[:k], going_on[k:]
+        stay = remaining[stayers[0]] * epoch(len(stayers), rate) if stayers else 0.0
+        move = 3 * build_s * k / size + latency_s + remaining[movers[0]] * epoch(k, there)
+        saved = keep - max(stay, move)
+        if saved >= _SPLIT_MIN_GAIN * keep and saved > best[1]:
+            best = (movers, saved)
+    return best
 
 
 def offer_plan(size: int, present: int, ends: Sequence[int], chain: bool = False) -> tuple[int, list[int]]:
