@@ -111,7 +111,7 @@ def test_an_array_of_one_goes_on_with_the_next_trial_where_its_member_leaves(
     ray_cluster: str, tmp_path: Path, policy: str, study_cap: int | None
 ) -> None:
     """Unfused (arrays of one: the study's cap, or a policy that does not fuse, whatever the
-    service's cap), each trial's successor is offered two epochs before the trial's last and
+    service's cap), each trial's successor is offered within the array's look-ahead of the trial's last epoch and
     starts in the same array at the boundary where it ends: the worker trains the study's
     trials one after the other without waiting for a scheduling round between them, and
     never two at once.
