@@ -7,10 +7,12 @@ the pool reads, and the speed tests/throttled_devices.py slows each training ste
 tenants submit 30 studies over REST at the trace's arrival times; arrays train on the workers
 and report each epoch back. The simulator replays the same studies with the same speed-up
 curves, lease, array cap and epochs (a simulated array changes at its epoch boundaries, as a
-live one does). For ``fifo`` and ``gavel`` the mean study JCT agrees within 15% and each
-tenant's share of device time within 0.05 (a policy that misses is replayed, up to three
-times in all); ``fusetune``'s replay is measured and reported with them (it does not always
-agree yet), and, live as simulated, finishes its studies sooner than the unfused policies.
+live one does), and dispatches as the live loop does (``live_loop``: it decides only when a
+trial waits, and a device whose array ended goes on with its study's next trial). For each of
+``fifo``, ``gavel`` and ``fusetune`` the mean study JCT agrees within 15%; for ``fifo`` and
+``gavel`` each tenant's share of device time agrees within 0.05 too (``fusetune``'s shares are
+reported: AGREE_SHARE). A policy that misses is replayed, up to three times in all. Live as
+simulated, fusion finishes the studies sooner than the unfused policies.
 
 The service starts from the true speeds in ``ft_throughput``, as the simulator's scheduler
 decides with the true curves (oracle throughputs, as in Gavel's simulator): what is compared
@@ -57,12 +59,13 @@ MEAN_GAP_S = 1.0
 CLUSTER = {"fast": 2, "slow": 2}
 LEASE_S = 8.0
 MAX_B = 4
-#: The simulator's rounds. The live loop reacts to an event (an arrival, an epoch, an array's
-#: end) within about 0.1-0.5 s (its 0.2 s poll, an array's start); the simulator, in rounds,
-#: has no such counterpart, and at this scale its mean JCT scatters by up to a quarter from
-#: one round length to the next (docs/scheduling.md, "Live against simulated"). What a live
-#: run is compared with is the simulator's mean over these rounds.
-ROUNDS_S = (0.1, 0.2, 0.3, 0.4, 0.5)
+#: The simulator's rounds. The live loop reacts to an event (an epoch, an array's end) within
+#: about 0.02-0.03 s: a worker whose array ended takes the next waiting trial that much later
+#: (its poll, the round's rows, the start). The simulator, in rounds, has no such counterpart,
+#: and at this scale its mean JCT scatters by up to a tenth from one round length to the next
+#: (docs/scheduling.md, "Live against simulated"). What a live run is compared with is the
+#: simulator's mean over these rounds.
+ROUNDS_S = (0.03, 0.05, 0.075, 0.1)
 #: Agreement asked by the issue.
 JCT_TOLERANCE, SHARE_TOLERANCE = 0.15, 0.05
 WORKLOAD = "tests.throttled_devices:WORKLOAD"
@@ -88,7 +91,13 @@ def mini_trace(seed: int = 3) -> tuple[list[TraceStudy], list[TraceTrial]]:
 
 
 def sim_curves(studies: list[TraceStudy]) -> dict[tuple[str, str], SpeedupCurve]:
-    return {(s.job_type, g): devices.MATRIX[(s.job_type.split("@")[0], g)] for s in studies for g in CLUSTER}
+    return {(s.job_type, g): true_curve(s.job_type.split("@")[0], g) for s in studies for g in CLUSTER}
+
+
+def true_curve(job: str, device_type: str) -> SpeedupCurve:
+    """The speed the test-only device gives ``job`` on ``device_type``."""
+    solo, c = devices.MATRIX[(job, device_type)]
+    return SpeedupCurve(solo_steps_per_s=solo, marginal_cost=c)
 
 
 def simulated(policy: str) -> list[SimResult]:
@@ -99,7 +108,7 @@ def simulated(policy: str) -> list[SimResult]:
     return [
         simulate(
             policy, studies, trials, sim_curves(studies), CLUSTER, memory,
-            round_seconds=round_s, lease_seconds=LEASE_S, max_members=MAX_B, seed=None,
+            round_seconds=round_s, lease_seconds=LEASE_S, max_members=MAX_B, seed=None, live_loop=True,
         )
         for round_s in ROUNDS_S
     ]
@@ -168,8 +177,8 @@ def seed_throughput(url: str) -> dict[str, str]:
     upgrade(url)
     signatures = {job: trial_signature(devices.WORKLOAD, {"hidden": width, "lr": 0.05}) for job, width in devices.WIDTHS.items()}
     rows = [
-        {"signature": signatures[job], "device_type": g, "members": b, "models_steps_per_s": curve.rate(b), "samples": 1}
-        for (job, g), curve in devices.MATRIX.items()
+        {"signature": signatures[job], "device_type": g, "members": b, "models_steps_per_s": true_curve(job, g).rate(b), "samples": 1}
+        for job, g in devices.MATRIX
         for b in range(1, MAX_B + 1)
     ]
     engine = sa.create_engine(url)
@@ -254,13 +263,18 @@ def seconds(began: str, ended: str) -> float:
 
 
 POLICIES = ("fifo", "gavel", "fusetune")
-#: The policies whose live replay agrees with the simulated one. ``fusetune``'s does in some
-#: runs (+4 to +11 %) and not in others (+16 to +20 %): its studies are short (4 s), and how
-#: else its live loop differs is open (docs/scheduling.md, "Live against simulated").
-AGREE = ("fifo", "gavel")
+#: The policies whose mean JCT must agree with the simulated one: all of them.
+AGREE_JCT = POLICIES
+#: The policies whose tenants' shares of device time must agree. fusetune's do not always:
+#: live, ``ana`` (job a, three times faster on the fast type) holds slow devices that the
+#: simulator keeps for ``ben``, and the largest gap runs 0.01-0.08 (reported; the live loop
+#: places a study's trials as they are asked, a group per idle device, and packs them into
+#: the arrays started then, where the simulator has them all at the study's arrival and
+#: sizes its arrays as the scheduler does: docs/scheduling.md, "Live against simulated").
+AGREE_SHARE = ("fifo", "gavel")
 #: A live replay is one sample of a process in which every small difference in timing moves
 #: which tenant is served next (a type-blind policy's JCTs hang on which device frees
-#: first): one replay of fifo or gavel misses a bound about one time in four or five. A
+#: first): one replay may miss a bound by chance (fifo's shares, fusetune's JCT). A
 #: policy that misses is replayed, up to TRIES times in all; a systematic disagreement
 #: misses every time.
 TRIES = 3
@@ -286,8 +300,10 @@ def test_the_live_service_replays_the_mini_trace_as_the_simulator_does(tmp_path:
                     f"| {policy} (replay {attempt}) | {live_jct[policy]:.2f} | {sim_jct:.2f} ({', '.join(f'{j:.2f}' for j in sim_jcts)}) "
                     f"| {live_jct[policy] / sim_jct - 1:+.1%} | {shares} | {gap:.3f} |"
                 )
-                agrees = abs(live_jct[policy] / sim_jct - 1) <= JCT_TOLERANCE and gap <= SHARE_TOLERANCE
-                if agrees or policy not in AGREE:
+                agrees = (abs(live_jct[policy] / sim_jct - 1) <= JCT_TOLERANCE or policy not in AGREE_JCT) and (
+                    gap <= SHARE_TOLERANCE or policy not in AGREE_SHARE
+                )
+                if agrees:
                     break
             else:
                 misses.append(policy)

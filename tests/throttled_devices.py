@@ -6,7 +6,7 @@ Each Ray node declares what its CPU workers are with the ``fusetune-device:<type
 worker processes inherit from ``ray start``. A job type is a width of the workload's MLP
 (trials of one width fuse). Its :class:`Throttle` layer, parameter-free, sleeps while it
 trains so that an array of ``B`` members of job ``j`` on a device of type ``g`` takes
-``(1 + c (B - 1)) / T1`` seconds per step: the :class:`SpeedupCurve` ``MATRIX[j, g]`` that
+``(1 + c (B - 1)) / T1`` seconds per step, ``(T1, c) = MATRIX[j, g]``: the speed-up curve that
 the simulator is given, whatever the CPU computes besides (a few small matmuls).
 
 Production code never sees this module: the service loads it by path
@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusetune.scheduler import SpeedupCurve
 from fusetune.workers.workloads import Workload, accuracy
 
 # The paced workload's data: STEPS batches of BATCH random points per epoch, FEATURES wide.
@@ -36,13 +35,16 @@ from tests.paced_workload import STEPS as STEPS  # training batches per epoch, r
 DEVICE_ENV = "FUSETUNE_TEST_DEVICE"
 #: Job type -> the MLP width that makes it (its trials' shape signature).
 WIDTHS = {"a": 8, "b": 16}
-#: (job type, device type) -> its true speed: ``a`` gains 3x on the fast device and fuses
-#: well, ``b`` gains little there and fuses less well (the heterogeneity a policy can use).
+#: (job type, device type) -> its true speed, ``(T1, c)``: solo steps/s and the marginal cost
+#: of a member (``scheduler.SpeedupCurve``'s two numbers; kept plain, since importing the
+#: scheduler would bring scipy into every worker's first array, half a second the simulator
+#: does not charge). ``a`` gains 3x on the fast device and fuses well, ``b`` gains little
+#: there and fuses less well (the heterogeneity a policy can use).
 MATRIX = {
-    ("a", "fast"): SpeedupCurve(solo_steps_per_s=9.0, marginal_cost=0.3),
-    ("a", "slow"): SpeedupCurve(solo_steps_per_s=3.0, marginal_cost=0.3),
-    ("b", "fast"): SpeedupCurve(solo_steps_per_s=4.5, marginal_cost=0.5),
-    ("b", "slow"): SpeedupCurve(solo_steps_per_s=3.75, marginal_cost=0.5),
+    ("a", "fast"): (9.0, 0.3),
+    ("a", "slow"): (3.0, 0.3),
+    ("b", "fast"): (4.5, 0.5),
+    ("b", "slow"): (3.75, 0.5),
 }
 
 
@@ -65,9 +67,9 @@ class Throttle(nn.Module):
         # Only training steps of whole batches: not the few-sample calls in which the worker
         # proves a fused model before its first step (a device does those in no time).
         if self.training and x.shape[0] >= BATCH and x.shape[0] % BATCH == 0:
-            curve = MATRIX[(self.job, os.environ[DEVICE_ENV])]
+            solo, c = MATRIX[(self.job, os.environ[DEVICE_ENV])]
             members = x.shape[0] // BATCH
-            step = members / curve.rate(members)
+            step = (1 + c * (members - 1)) / solo
             now = time.monotonic()
             due = _paced[0] + step if now - _paced[0] <= step else now + step
             time.sleep(max(0.0, due - now))
