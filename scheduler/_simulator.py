@@ -13,11 +13,12 @@ goes on unchanged until its next one, as a live array does (members join, leave 
 preempted at its epoch boundaries), and the devices and trials it holds wait for it.
 
 Every round the scheduler decides every placement again, as Gavel's simulator does. With
-``live_loop=True`` the replay follows the live loop's two rules of dispatch instead
-(``server/loop/dispatch.py``): the scheduler decides only in rounds where some trial waits for
-a device (running arrays otherwise go on as they are), and a device whose array ended keeps
-its class where that class has trials waiting and the scheduler gave the device to no other
-tenant (the live loop's chain: a study's trials follow each other on the device).
+``live_loop=True`` the replay follows the live loop's rules instead (``server/loop/``): the
+scheduler decides only in rounds where some trial waits for a device (running arrays
+otherwise go on as they are); a device whose array ended keeps its class where that class
+has trials waiting and the scheduler gave the device to no other tenant (the live loop's
+chain: a study's trials follow each other on the device); and a study's trials arrive as the
+live loop asks them (a group per idle device at once, the rest a round later).
 
 Device time is charged to an array's members equally (each of B members is charged
 ``1/B`` of the device's time) and to a tenant as the sum over its members; since arrays
@@ -90,9 +91,10 @@ class _Replay:
         weights: Mapping[str, float],
         round_seconds: float,
         live_loop: bool = False,
+        study_cap: int = 16,
     ) -> None:
         self.sched, self.curves, self.devices, self.dt = sched, curves, devices, round_seconds
-        self.live_loop = live_loop
+        self.live_loop, self.study_cap = live_loop, study_cap
         self.device_type = {d.device_id: d.device_type for d in devices}
         self.names = sorted({t.tenant for t in trials})
         self.w = {n: weights.get(n, 1.0) for n in self.names}
@@ -121,13 +123,20 @@ class _Replay:
         now = self.order[0].arrival if self.order else 0.0
         nxt = 0
         arrived: list[int] = []
+        later: list[int] = []  # trials the live loop asks once its first groups are placed
         running: tuple[Placement, ...] = ()
         while True:
+            arrived += later
+            later = []
+            new: list[int] = []
             while nxt < len(self.order) and self.order[nxt].arrival <= now:
-                arrived.append(self.order[nxt].trial_id)
+                new.append(self.order[nxt].trial_id)
                 nxt += 1
+            if self.live_loop:
+                new, later = self._asked(new, running)
+            arrived += new
             live = [i for i in arrived if i not in self.done_at]
-            if not live:
+            if not live and not later:
                 if nxt >= len(self.order):
                     break
                 now = max(now + self.dt, self.order[nxt].arrival)
@@ -153,6 +162,25 @@ class _Replay:
             self._account(now, pending, decision)
             self._advance(now, running)
             now += self.dt
+
+    def _asked(self, arriving: Sequence[int], running: Sequence[Placement]) -> tuple[list[int], list[int]]:
+        """Of the trials of studies arriving now, those the live loop asks at once and those it
+        asks a round later. While devices are idle it asks each study one group (an array's
+        worth, spread so that one batch fills every device) per idle device, places them, then
+        asks the rest; with no device idle it asks them all (``server/loop/asking.py``)."""
+        busy = {p.device_id for p in running if any(i not in self.done_at for i in p.trial_ids)}
+        idle, devices = len(self.devices) - len(busy), max(1, len(self.devices))
+        by_study: dict[int, list[int]] = {}
+        for i in arriving:
+            by_study.setdefault(self.info[i].study_id, []).append(i)
+        now: list[int] = []
+        later: list[int] = []
+        for ids in by_study.values():
+            group = max(1, min(self.study_cap, math.ceil(min(len(ids), devices * self.study_cap) / devices)))
+            k = min(len(ids), idle * group) if idle else len(ids)
+            now += ids[:k]
+            later += ids[k:]
+        return now, later
 
     def _chained(self, previous: Sequence[Placement], decision: Decision, live: Sequence[int]) -> Decision:
         """``decision``, where a device whose array ended since the last round goes on with its
@@ -370,9 +398,11 @@ def simulate(
         backfill: False leaves devices the allocation does not fill idle (Gavel's LP alone).
         prices: public device prices for ``oef-noncooperative``'s exchanges.
         live_loop: False (Gavel's simulator, the tables): the scheduler decides every
-            placement again every round; True: dispatch as the live loop does (decide only
-            when a trial waits; a device whose array ended keeps its class: the module
-            docstring), what a live run is compared with.
+            placement again every round; True: ask and dispatch as the live loop does (decide
+            only when a trial waits; a device whose array ended keeps its class; a study's
+            trials asked a group per idle device: the module docstring), what a live run is
+            compared with. ``max_members`` is then also the studies' array cap, which sizes
+            the live loop's groups.
     """
     model = ThroughputModel()
     for (job, gpu), curve in curves.items():
@@ -388,6 +418,6 @@ def simulate(
     # random type (as on a real Ray cluster) instead of always the slowest type first.
     if seed is not None:
         random.Random(seed).shuffle(devices)
-    replay = _Replay(sched, trials, curves, devices, weights or {}, round_seconds, live_loop)
+    replay = _Replay(sched, trials, curves, devices, weights or {}, round_seconds, live_loop, max_members)
     replay.run()
     return replay.result(policy, studies, trials)

@@ -121,3 +121,30 @@ def test_as_the_live_loop_a_device_goes_on_with_its_studys_next_trial(policy: st
 
     assert jcts(False) == pytest.approx({0: 12.0, 1: 7.5})
     assert jcts(True) == pytest.approx({0: 8.0, 1: 11.5})
+
+
+def test_as_the_live_loop_a_studys_trials_arrive_a_group_per_idle_device() -> None:
+    """Two devices, one busy with tenant A's long trial, when tenant B's study of two trials
+    (5-step epochs, fusing almost free) arrives at t = 1. With both trials there, one array of
+    two trains them together from t = 1. The live loop asks one group per idle device (one
+    trial: groups are spread so that a batch fills both devices), places it, and asks the other
+    a round later, which joins that array at its first epoch boundary, t = 6."""
+    curves = {("x", "d"): SpeedupCurve(1.0, 0.1), ("y", "d"): SpeedupCurve(1.0, 0.1)}
+    studies = [TraceStudy(0, "A", "x", 0.0, (0,)), TraceStudy(1, "B", "y", 1.0, (1, 2))]
+    trials = [
+        TraceTrial(0, 0, "A", "x", 0.0, 100.0, 10.0), TraceTrial(1, 1, "B", "y", 1.0, 10.0, 5.0),
+        TraceTrial(2, 1, "B", "y", 1.0, 10.0, 5.0),
+    ]
+
+    def b_jct(live_loop: bool) -> float:
+        result = simulate(
+            "fusetune", studies, trials, curves, {"d": 2}, {"d": GIB}, round_seconds=1.0, lease_seconds=100.0, seed=None,
+            max_members=4, live_loop=live_loop,
+        )
+        return result.jct_by_study[1]
+
+    pair = curves[("y", "d")].rate(2) / 2  # steps/s of each member of an array of two: 1 / 1.1
+    assert b_jct(False) == pytest.approx(10.0 / pair)
+    # The second trial joins at t = 6. Its partner ends mid-round (t = 11.5), so it trains in
+    # the pair until the round at t = 12, then alone at 1 step/s.
+    assert b_jct(True) == pytest.approx((12.0 - 1.0) + (10.0 - 6.0 * pair))
