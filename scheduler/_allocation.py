@@ -332,8 +332,10 @@ def _oef(p: AllocationProblem, v: Vars, es: EqualShare, prefer: np.ndarray) -> t
     what it can use and leave devices idle.  But the LP may have served it in full only
     because that cost no throughput then, and held in full it can keep what a short owner
     needs to stop envying it: a frozen owner that a short owner envies is thawed, once (its
-    rows count again, it is never frozen again, and it may be left short).  Rows are only
-    added, and each owner is frozen and thawed at most once, so this ends;
+    rows count again and it may be left short).  A thawed owner the LP serves in full again
+    is frozen again, for good: kept unfrozen, its rows would cap the others at what it can
+    use once more.  Rows are only added, and each owner is thawed at most once and frozen
+    at most twice, so this ends;
     ``_OEF_PASSES`` bounds it (the last solution is kept, with whatever envy is left,
     which the simulator's metric reports).
     """
@@ -352,11 +354,11 @@ def _oef(p: AllocationProblem, v: Vars, es: EqualShare, prefer: np.ndarray) -> t
         x = sol
         short = val.short(short_classes(p, v, scatter(p, v, x)[1]))
         envy = _envy(p, v, val, x) > _ENVY_RTOL
-        served = pairs.any(axis=1) & ~frozen & ~short & ~thawed
+        served = pairs.any(axis=1) & ~frozen & ~short
         violated = (short & ~frozen)[:, None] & envy & ~pairs
         # A frozen owner that a short owner envies: held in full, it may keep what the
         # envier needs (tests/scheduler/test_oef.py has two such problems).
-        thaw = frozen & (short[:, None] & ~frozen[:, None] & envy)[:, val.tenant].any(axis=0)
+        thaw = frozen & ~thawed & (short[:, None] & ~frozen[:, None] & envy)[:, val.tenant].any(axis=0)
         if not served.any() and not violated.any() and not thaw.any():
             break
         frozen = (frozen | served) & ~thaw
