@@ -78,6 +78,44 @@ def start(command: str, env: dict[str, str], log: Path) -> subprocess.Popen[byte
     )
 
 
+#: ``ray start`` gives a new node's raylet a hard-coded 30 s to register with the GCS. On two
+#: cores, with another test's cluster starting beside this one, it can miss that, and the
+#: node fails with this line: the one failure that :func:`start_node` starts again.
+RAY_STARTUP_TIMEOUT = "The current node timed out during startup"
+
+
+def start_node(command: str, env: dict[str, str], log: Path, temp_dir: str, attempts: int = 3) -> subprocess.Popen[bytes]:
+    """Run a ``ray start`` command and return once its node has registered ("Ray runtime
+    started.": with ``--block`` the process keeps running, without it it exits). A start
+    that hit :data:`RAY_STARTUP_TIMEOUT` is killed (with its processes, found by their temp
+    dir) and run again; any other failure fails the test with the log's tail."""
+    for attempt in range(1, attempts + 1):
+        proc, printed = _start_once(command, env, log)
+        if proc is not None:
+            return proc
+        kill_all(processes_under(temp_dir))
+        if RAY_STARTUP_TIMEOUT not in printed or attempt == attempts:
+            raise AssertionError(f"{command!r} failed (attempt {attempt}):\n{printed[-3000:]}")
+    raise AssertionError("unreachable: attempts < 1")
+
+
+def _start_once(command: str, env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """One ``ray start``: its process once the node is up, or None and what it printed."""
+    offset = log.stat().st_size if log.exists() else 0
+    proc = start(command, env, log)
+
+    def printed() -> str:
+        return log.read_bytes()[offset:].decode(errors="replace")
+
+    def outcome() -> str | None:
+        if "Ray runtime started." in printed():
+            return "started"
+        return "exited" if proc.poll() is not None else None
+
+    started = wait_until(outcome, f"{command!r} to start its node", 240, explain=lambda: printed()[-3000:]) == "started"
+    return (proc if started else None), printed()
+
+
 def node_dir_of(pid: int, dirs: dict[str, str]) -> str | None:
     """Which of our nodes (by temp dir) a worker process runs on: its raylet parent names it."""
     try:
@@ -104,7 +142,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[ServiceProcess, dict[str, str], st
         # ray-head, with one CPU here (in production its workers' nodes have the devices).
         head = on_loopback(services["ray-head"]["command"], port).replace("--port=6379", f"--port={port}")
         head = head.replace("--num-cpus=0 --num-gpus=0", "") + f" {node_flags(dirs['head'], 1)} --include-dashboard=false"
-        procs.append(start(head, {}, tmp_path / "head.log"))
+        procs.append(start_node(head, {}, tmp_path / "head.log", dirs["head"]))
 
         # server: its own CPU-less node joins, then `fusetune serve` drives the cluster.
         env = {k: on_loopback(str(v), port) for k, v in services["server"]["environment"].items()}
@@ -118,12 +156,16 @@ def cluster(tmp_path: Path) -> Iterator[tuple[ServiceProcess, dict[str, str], st
         command = on_loopback(services["server"]["command"], port)
         command = command.replace("--num-cpus=0 --num-gpus=0", node_flags(dirs["server"], 0))
         command = command.replace("--host 0.0.0.0 --port 8000", f"--host 127.0.0.1 --port {service.port}")
-        service.start(shlex.split(command))
+        # The container runs `bash -c "ray start ... && fusetune serve ..."`: here its two
+        # halves run one after the other, so that the node's start can be retried.
+        join, serve = shlex.split(command)[-1].split("&&")
+        start_node(join.strip(), env, tmp_path / "server-node.log", dirs["server"])
+        service.start(shlex.split(serve))
         assert service.healthy(timeout=240)["workers"] == 1  # the head's CPU
 
         # gpu-worker: a second node joins; the pool starts a worker on it.
         node2 = on_loopback(services["gpu-worker"]["command"], port) + " " + node_flags(dirs["node2"], 1)
-        procs.append(start(node2, {}, tmp_path / "node2.log"))
+        procs.append(start_node(node2, {}, tmp_path / "node2.log", dirs["node2"]))
         wait_until(lambda: httpx.get(f"{service.url}/healthz").json()["workers"] == 2, "a worker on the new node", 120)
 
         yield service, dirs, url

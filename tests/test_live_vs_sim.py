@@ -28,6 +28,7 @@ import secrets
 import shlex
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,7 +45,7 @@ from fusetune.scheduler._simulator import SimResult, simulate
 from fusetune.scheduler._trace import TraceStudy, TraceTrial
 from tests import throttled_devices as devices
 from tests.faults import ROOT, ServiceProcess, kill_all, processes_under, short_tmpdir, wait_until
-from tests.test_cluster import RAY_ENV, free_port, node_flags, start
+from tests.test_cluster import RAY_ENV, free_port, node_flags, start_node
 
 pytestmark = pytest.mark.slow
 D = optuna.distributions
@@ -133,7 +134,7 @@ def throttled_cluster(tmp_path: Path) -> Iterator[int]:
             command = f"ray start {where} {node_flags(temp, count)} --resources={shlex.quote(resources)} --block"
             # Its worker processes inherit the node's environment: the device type and this repository.
             env = {devices.DEVICE_ENV: device_type, "PYTHONPATH": str(ROOT)}
-            procs.append(start(command, env, tmp_path / f"node-{device_type}.log"))
+            procs.append(start_node(command, env, tmp_path / f"node-{device_type}.log", temp))
         yield port
     finally:
         for proc in procs:
@@ -158,8 +159,8 @@ def service_on(port: int, tmp_path: Path, policy: str, url: str) -> Iterator[Ser
         "PYTHONPATH": str(ROOT), **RAY_ENV,
     }
     service = ServiceProcess(env, tmp_path / f"server-{policy}.log", secrets.token_urlsafe(24))
-    serve = f"python -m fusetune.server.cli serve --host 127.0.0.1 --port {service.port}"
-    service.start(["bash", "-c", f"ray start --address=127.0.0.1:{port} {node_flags(server_dir, 0)} && exec {serve}"])
+    start_node(f"ray start --address=127.0.0.1:{port} {node_flags(server_dir, 0)}", env, tmp_path / f"server-node-{policy}.log", server_dir)
+    service.start([sys.executable, "-m", "fusetune.server.cli", "serve", "--host", "127.0.0.1", "--port", str(service.port)])
     try:
         wait_until(lambda: service.healthy(timeout=240)["workers"] == sum(CLUSTER.values()), "a worker per device", 240)
         yield service
