@@ -148,10 +148,13 @@ class Scheduler:
         self._carry: dict[tuple[tuple[str, str], str], float] = {}
         self._sizes: dict[tuple[SpeedupCurve, int], int] = {}
         # Per-tenant utility still owed: Σ over rounds of (equal-share utility - realised
-        # utility).  Integer rounding of a fractional allocation loses a little each
-        # round; owed tenants get the spare devices of the next rounding first, so the
-        # sharing incentive holds over time, not only in the fractional solution.
+        # utility), signed (a round above the share repays one below it).  Integer
+        # rounding of a fractional allocation swings a tenant's utility around its share
+        # from round to round; owed tenants get the spare devices of the next rounding
+        # first, the most owed relative to their share first, so the sharing incentive
+        # holds over time, not only in the fractional solution.
         self._debt: dict[str, float] = {}
+        self._owed_share: dict[str, float] = {}  # debt / equal-share utility, where debt > 0
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -317,16 +320,23 @@ class Scheduler:
                     self.throughput.rate(p.signature, g, len(p.trial_ids)) / best[p.signature]
                 )
         debt: dict[str, float] = {}
+        owed_share: dict[str, float] = {}
         for i, name in enumerate(names):
             e = float(allocation.equal_share[i])
             if e <= 0:
                 continue  # no pending work: nothing is owed any more
             owed = self._debt.get(name, 0.0) + e - realised.get(name, 0.0)
-            # Bounded so that one bad stretch cannot demand more than a round's share.
-            owed = min(max(owed, 0.0), _DEBT_LIMIT * e)
-            if owed > 0:
+            # Bounded both ways so that one stretch cannot demand, or bank, more than half
+            # a round's share.  Signed: clipped at zero, every tenant's debt would ratchet
+            # up on the rounds below its share and never come down, so every tenant would
+            # sit at the bound and the bound (largest for the largest shares) would pick
+            # who is repaid.
+            owed = min(max(owed, -_DEBT_LIMIT * e), _DEBT_LIMIT * e)
+            if owed != 0:
                 debt[name] = owed
-        self._debt = debt
+            if owed > 0:
+                owed_share[name] = owed / e
+        self._debt, self._owed_share = debt, owed_share
 
     def _fifo(
         self,
@@ -397,8 +407,9 @@ class Scheduler:
         n_c, n_g = len(classes), len(types)
         carry = np.array([[self._carry.get((c, g), 0.0) for g in types] for c in classes]).reshape(n_c, n_g)
         # Tenants owed utility (rounding fell short of their equal share) come first for
-        # spare devices: the shortfall is repaid from tenants above their share.
-        owed = np.array([1.0 + self._debt[c[0]] if c[0] in self._debt else 0.0 for c in classes])
+        # spare devices, in order of their shortfall as a fraction of their share (the
+        # sharing-incentive ratio's unit): it is repaid from tenants above their share.
+        owed = np.array([1.0 + self._owed_share[c[0]] if c[0] in self._owed_share else 0.0 for c in classes])
         rounding = Rounding(
             now, allocation, classes, types, members_of, current, busy, carry, owed,
             lambda sig, d: self._members(sig, d.device_type, d.memory_bytes), self.lease_seconds,

@@ -324,3 +324,40 @@ def test_without_backfill_placements_follow_the_allocation_alone(inst) -> None:
     for p in decision.placements:
         count[row[(p.tenant, p.signature)], col[kind[p.device_id]]] += 1
     assert np.all(count <= np.ceil(decision.allocation.devices - 1e-3) + 1e-9)
+
+
+def test_rounding_debt_is_signed_and_repays_the_largest_shortfall_relative_to_the_share_first() -> None:
+    """Rounding swings a tenant's realised utility around its equal share ``e_i`` from round
+    to round. Its debt is the signed sum of ``e_i - u_i`` (bounded by half a round's share),
+    so a round above the share repays one below it, and the spare devices of the next
+    rounding go first to the tenant owed most *relative to its share*: a tenant with a
+    small share, 1 short of 2, comes before one with a large share, 1 short of 10 (the
+    absolute debt, clipped at zero, had every tenant at its bound and favoured large shares)."""
+    from fusetune.scheduler._allocation import Allocation
+
+    sched = make_scheduler("gavel", ThroughputModel())
+    devices = {f"d{i}": Device(f"d{i}", "cpu") for i in range(16)}
+
+    def round_with(realised: dict[str, int], share: dict[str, float]) -> None:
+        ids = iter(range(1000))
+        placements = [
+            Placement(f"d{k}", "s", tenant, (next(ids),), 0.0)
+            for tenant, n in realised.items() for k in range(n)
+        ]
+        names = tuple(share)
+        e = np.array([share[t] for t in names])
+        allocation = Allocation(np.zeros((0, 1)), np.zeros((0, 1)), e, e, np.zeros(len(e), bool), np.zeros(len(e), bool), 0.0)
+        sched._update_debt(names, allocation, placements, devices, ("cpu",))
+
+    share = {"big": 10.0, "small": 2.0}
+    round_with({"big": 9, "small": 1}, share)  # each 1 short
+    assert sched._owed_share == pytest.approx({"big": 0.1, "small": 0.5})
+    round_with({"big": 10, "small": 3}, share)  # small 1 over: repaid
+    assert sched._owed_share == pytest.approx({"big": 0.1})
+    round_with({"big": 11, "small": 3}, share)  # big repaid; small 1 over: a credit of 1
+    assert sched._owed_share == {} and sched._debt == pytest.approx({"small": -1.0})
+    round_with({"big": 10, "small": 1}, share)  # small 1 short again: its credit covers it
+    assert sched._owed_share == {}
+    round_with({"big": 10, "small": 4}, share)  # 2 over: a credit of 1 at most (half its share)
+    round_with({"big": 10, "small": 0}, share)  # 2 short: owed 1 (the credit covered half)
+    assert sched._owed_share == pytest.approx({"small": 0.5})
