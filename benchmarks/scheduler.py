@@ -3,12 +3,24 @@
     python benchmarks/scheduler.py                      # 10,000 trials, 500 devices, 50 tenants
     python benchmarks/scheduler.py --studies-per-tenant 20 --policy gavel
     python benchmarks/scheduler.py table                # docs/scheduling.md's policy table
+    python benchmarks/scheduler.py ceiling              # fusetune against fused throughput without fairness
 
 ``table`` replays synthetic workloads (scheduler._workload: ten tenants, loads from 0.5 to
 10 times their share, mixed job types or one job type per tenant) on three cluster mixes
 under every policy in the simulator, and solves static backlogs over a load sweep; it
 prints Markdown tables with the machine and the commit.  Nothing in it is timed but the
 runs themselves.
+
+``ceiling`` asks how much of fusetune's distance from a throughput target is the price of
+fairness, on the same synthetic workloads and on the Philly slice of ``fusetune simulate``:
+* *best at SI ≥ 1*: in every round of fusetune's run, the most fused throughput that any
+  allocation of that round's backlog reaches while every tenant keeps its equal-share
+  utility (the sharing incentive alone, no envy constraint), averaged as the throughput
+  metric is;
+* *no-fairness ceiling*: the workload replayed with every tenant's classes handed to one
+  tenant, so each round's LP maximises the cluster's total fused throughput with no
+  fairness constraint at all (classes stay per tenant: no trials fuse across tenants that
+  would not fuse under fusetune).
 
 Builds a random but realistic round: 50 tenants (weights 1-3), each running a few studies
 whose trials share one signature drawn from a pool of model signatures; 500 devices of
@@ -30,11 +42,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+from scipy import sparse
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusetune.scheduler import (
     POLICIES,
     AllocationProblem,
+    Decision,
     Device,
     PendingTrial,
     Placement,
@@ -45,9 +61,11 @@ from fusetune.scheduler import (
     solve_allocation,
 )
 from fusetune.scheduler._calibration import GPU_MEMORY_BYTES, PEAK_TFLOPS, JobTypeCurves
+from fusetune.scheduler._lp import base_constraints, equal_share, solve_lp, utility_matrix, variables
 from fusetune.scheduler._simulator import SimResult, simulate
+from fusetune.scheduler._trace import TraceStudy, TraceTrial, philly_studies
 from fusetune.scheduler._workload import backlog, offered_load, synthetic_workload
-from fusetune.server.simulate import DEFAULT_DATA, read_job_type_curves
+from fusetune.server.simulate import DEFAULT_DATA, read_job_type_curves, read_philly_jobs
 
 TYPES = {"k80": (1.0, 12 << 30), "p100": (2.5, 16 << 30), "v100": (4.0, 16 << 30)}
 MIXES = ("36:36:36", "60:30:18", "24:24:60")  # K80:P100:V100
@@ -97,6 +115,8 @@ def build_round(
 def main() -> int:
     if sys.argv[1:2] == ["table"]:
         return table_main(sys.argv[2:])
+    if sys.argv[1:2] == ["ceiling"]:
+        return ceiling_main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10_000)
     parser.add_argument("--devices", type=int, default=500)
@@ -249,6 +269,93 @@ def table_main(argv: Sequence[str]) -> int:
     print()
     for row in _static_sweep(calib, args.sweep_seeds):
         print(row, flush=True)
+    return 0
+
+
+def _without_fairness(
+    studies: Sequence[TraceStudy], trials: Sequence[TraceTrial], curves: dict[tuple[str, str], SpeedupCurve]
+) -> tuple[list[TraceStudy], list[TraceTrial], dict[tuple[str, str], SpeedupCurve]]:
+    """The workload as one tenant's, each class keeping its own signature.
+
+    With one tenant the allocation LP is the max-throughput LP over the whole cluster (its
+    equal share is every device), so fusetune's machinery then places fused arrays for
+    throughput alone.  Each signature is renamed ``tenant|job type`` with the job type's
+    curves, so trials of different tenants still never share an array.
+    """
+    sig = {t.trial_id: f"{t.tenant}|{t.job_type}" for t in trials}
+    renamed = {(f"{t}|{j}", g): curves[(j, g)] for t, j in {(t.tenant, t.job_type) for t in trials} for g in
+               {g for _, g in curves}}
+    one_trials = [TraceTrial(t.trial_id, t.study_id, "all", sig[t.trial_id], t.arrival, t.steps, t.epoch_steps)
+                  for t in trials]
+    one_studies = [TraceStudy(s.study_id, "all", sig[s.trial_ids[0]], s.arrival, s.trial_ids) for s in studies]
+    return one_studies, one_trials, renamed
+
+
+def _max_throughput_at_sharing_incentive(p: AllocationProblem) -> float:
+    """The most total throughput any allocation of ``p`` reaches with every tenant at or
+    above its equal-share utility (the sharing incentive alone: no envy constraint)."""
+    v = variables(p)
+    if not v.size:
+        return 0.0
+    e = equal_share(p, v).utility
+    a, b = base_constraints(p, v, p.capacity.astype(float), per_tenant_caps=False)
+    held = np.flatnonzero(e > 1e-7)
+    sol, _ = solve_lp(
+        -v.rate, sparse.vstack([a, -utility_matrix(p, v)[held]]).tocsr(), np.concatenate([b, -e[held] * (1 - 1e-8)])
+    )
+    return float(v.rate @ sol) if sol is not None else 0.0
+
+
+def _ceiling_row(
+    label: str, spec: str, studies: Sequence[TraceStudy], trials: Sequence[TraceTrial], calib: JobTypeCurves
+) -> str:
+    """fifo, fusetune and the two ceilings on one workload, as a Markdown row."""
+    mix = _mix(spec)
+    curves = dict(calib.curves)
+    last_arrival = max(t.arrival for t in trials)
+    at_si: list[float] = []  # over the rounds the throughput metric averages (to the last arrival)
+
+    def bound(now: float, decision: Decision, problem: AllocationProblem) -> None:
+        if now <= last_arrival:
+            at_si.append(_max_throughput_at_sharing_incentive(problem))
+
+    fifo = simulate("fifo", studies, trials, curves, mix, GPU_MEMORY_BYTES, seed=0).norm_throughput
+    fused = simulate("fusetune", studies, trials, curves, mix, GPU_MEMORY_BYTES, seed=0, observe=bound).norm_throughput
+    one_studies, one_trials, one_curves = _without_fairness(studies, trials, curves)
+    ceiling = simulate("fusetune", one_studies, one_trials, one_curves, mix, GPU_MEMORY_BYTES, seed=0).norm_throughput
+    si = statistics.fmean(at_si)
+    return (
+        f"| {label} | {spec} | {fifo:.2f} | {fused:.2f} | {fused / fifo:.2f} | {si / fifo:.2f} "
+        f"| {ceiling:.2f} | {ceiling / fifo:.2f} | {fused / ceiling:.2f} |"
+    )
+
+
+def ceiling_main(argv: Sequence[str]) -> int:
+    """``ceiling``: fusetune against fused throughput with no fairness constraint."""
+    parser = argparse.ArgumentParser(prog="benchmarks/scheduler.py ceiling")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--mixes", default=",".join(MIXES))
+    parser.add_argument("--hours", type=float, default=12.0, help="arrival window of the synthetic workloads")
+    parser.add_argument("--philly-hours", type=float, default=24.0, help="the Philly slice, as fusetune simulate's")
+    args = parser.parse_args(argv)
+    calib = read_job_type_curves(args.data)
+    reference = {j: calib.curves[(j, "p100")].solo_steps_per_s for j in calib.job_types}
+    philly = philly_studies(
+        read_philly_jobs(args.data / "philly_jobs.csv"), calib.job_types, reference, hours=args.philly_hours, seed=0
+    )
+    print(_provenance())
+    print()
+    print("| workload | mix | fifo | fusetune | fusetune × fifo | best at SI ≥ 1 × fifo | no-fairness ceiling "
+          "| ceiling × fifo | fusetune ÷ ceiling |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for spec in args.mixes.split(","):
+        devices = sum(_mix(spec).values())
+        for one in (False, True):
+            studies, trials = synthetic_workload(calib.job_types, reference, devices, one_type_per_tenant=one,
+                                                 hours=args.hours, seed=0)
+            label = "synthetic, one type each" if one else "synthetic, mixed types"
+            print(_ceiling_row(label, spec, studies, trials, calib), flush=True)
+        print(_ceiling_row("Philly slice", spec, *philly, calib), flush=True)
     return 0
 
 

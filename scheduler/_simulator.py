@@ -33,19 +33,25 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from fusetune.scheduler._allocation import equal_share_utilities
+from fusetune.scheduler._lp import AllocationProblem
 from fusetune.scheduler._packing import PendingTrial
 from fusetune.scheduler._scheduler import Scheduler, make_scheduler
 from fusetune.scheduler._throughput import SpeedupCurve, ThroughputModel
 from fusetune.scheduler._trace import TraceStudy, TraceTrial
 from fusetune.scheduler._types import Decision, Device, Placement, Tenant
 
-__all__ = ["SimResult", "simulate"]
+__all__ = ["RoundObserver", "SimResult", "simulate"]
+
+# Called once per simulated round with the round's time (s), its decision, and the
+# allocation instance of the trials waiting or running in it (its classes are the
+# decision's, or sorted where the policy has none: fifo).
+RoundObserver = Callable[[float, Decision, AllocationProblem], None]
 
 
 @dataclass(frozen=True)
@@ -92,9 +98,10 @@ class _Replay:
         round_seconds: float,
         live_loop: bool = False,
         study_cap: int = 16,
+        observe: RoundObserver | None = None,
     ) -> None:
         self.sched, self.curves, self.devices, self.dt = sched, curves, devices, round_seconds
-        self.live_loop, self.study_cap = live_loop, study_cap
+        self.live_loop, self.study_cap, self.observe = live_loop, study_cap, observe
         self.device_type = {d.device_id: d.device_type for d in devices}
         self.names = sorted({t.tenant for t in trials})
         self.w = {n: weights.get(n, 1.0) for n in self.names}
@@ -241,8 +248,11 @@ class _Replay:
                 out.append(replace(q, trial_ids=ids) if len(ids) != len(q.trial_ids) else q)
         return tuple(out)
 
-    def _round_values(self, pending: Sequence[PendingTrial], decision: Decision) -> tuple[np.ndarray, ...]:
-        """This round's e_i, saturation, realised u_i, bundles, waiting flags and class values."""
+    def _round_values(
+        self, pending: Sequence[PendingTrial], decision: Decision
+    ) -> tuple[AllocationProblem, tuple[np.ndarray, ...]]:
+        """This round's instance, and its e_i, saturation, realised u_i, bundles, waiting
+        flags and class values."""
         classes = decision.classes or tuple(sorted({(p.tenant, p.signature) for p in pending}))
         demand = {c: 0 for c in classes}
         for p in pending:
@@ -266,11 +276,13 @@ class _Replay:
         # OEF's linear valuation per class, as in the LP: a device's best rate for it.
         value = np.where(problem.members > 0, problem.rate, 0.0).max(axis=2)
         owner = np.array([self.tix[c[0]] for c in classes], dtype=int)
-        return e, saturated, u, bundle, waiting_class, value, owner
+        return problem, (e, saturated, u, bundle, waiting_class, value, owner)
 
     def _account(self, now: float, pending: Sequence[PendingTrial], decision: Decision) -> None:
         """Add this round to the fairness and throughput integrals."""
-        e, saturated, u, bundle, waiting_class, value, owner = self._round_values(pending, decision)
+        problem, (e, saturated, u, bundle, waiting_class, value, owner) = self._round_values(pending, decision)
+        if self.observe is not None:
+            self.observe(now, decision, problem)
         active = np.zeros(len(self.names), dtype=bool)
         active[[self.tix[p.tenant] for p in pending]] = True
         waiting = np.zeros_like(active)
@@ -380,6 +392,7 @@ def simulate(
     prices: Mapping[str, float] | None = None,
     lease_seconds: float | None = None,
     live_loop: bool = False,
+    observe: RoundObserver | None = None,
 ) -> SimResult:
     """Replay ``trials`` on ``cluster`` under ``policy``; return its metrics.
 
@@ -403,6 +416,10 @@ def simulate(
             trials asked a group per idle device: the module docstring), what a live run is
             compared with. ``max_members`` is then also the studies' array cap, which sizes
             the live loop's groups.
+        observe: called every round with the time, the decision and the round's
+            allocation instance: for analyses of a run, such as what any allocation could
+            have reached on the backlog the policy left (``benchmarks/scheduler.py
+            ceiling``).  It must not change what it is given.
     """
     model = ThroughputModel()
     for (job, gpu), curve in curves.items():
@@ -418,6 +435,6 @@ def simulate(
     # random type (as on a real Ray cluster) instead of always the slowest type first.
     if seed is not None:
         random.Random(seed).shuffle(devices)
-    replay = _Replay(sched, trials, curves, devices, weights or {}, round_seconds, live_loop, max_members)
+    replay = _Replay(sched, trials, curves, devices, weights or {}, round_seconds, live_loop, max_members, observe)
     replay.run()
     return replay.result(policy, studies, trials)

@@ -67,6 +67,22 @@ def test_every_policy_completes_the_slice(workload, policy: str) -> None:
         assert res.si_min >= 0.95
 
 
+def test_an_observer_sees_every_round_with_the_backlog_the_policy_decided_on(workload) -> None:
+    calib, studies, trials = workload
+    seen: list[tuple[float, int, int]] = []
+
+    def observe(now, decision, problem) -> None:
+        # The instance holds the round's classes (the decision's) and every trial of them.
+        assert problem.n_classes == len(decision.classes)
+        seen.append((now, int(problem.demand.sum()), sum(len(p.trial_ids) for p in decision.placements)))
+
+    res = simulate("fusetune", studies, trials, calib.curves, {"k80": 4, "p100": 4, "v100": 4}, GPU_MEMORY_BYTES,
+                   observe=observe)
+    assert len(seen) == res.rounds
+    assert [now for now, _, _ in seen] == sorted(now for now, _, _ in seen)
+    assert all(0 < placed <= backlog for _, backlog, placed in seen)
+
+
 def test_gavel_export_round_trips(workload, tmp_path: Path) -> None:
     _, studies, trials = workload
     s2, t2 = per_trial_tenants(studies, trials)
