@@ -21,6 +21,9 @@ fairness, on the same synthetic workloads and on the Philly slice of ``fusetune 
   tenant, so each round's LP maximises the cluster's total fused throughput with no
   fairness constraint at all (classes stay per tenant: no trials fuse across tenants that
   would not fuse under fusetune).
+A second table sets ``oef`` and ``gavel-paper`` on the one-type-per-tenant workloads against
+the same ceiling unfused (``gavel``'s LP with one tenant): the most any unfused policy's
+allocation LP reaches there.
 
 Builds a random but realistic round: 50 tenants (weights 1-3), each running a few studies
 whose trials share one signature drawn from a pool of model signatures; 500 devices of
@@ -356,7 +359,32 @@ def ceiling_main(argv: Sequence[str]) -> int:
             label = "synthetic, one type each" if one else "synthetic, mixed types"
             print(_ceiling_row(label, spec, studies, trials, calib), flush=True)
         print(_ceiling_row("Philly slice", spec, *philly, calib), flush=True)
+    print()
+    print("| one type each | gavel-paper | gavel-paper, LP only | oef | unfused no-fairness ceiling "
+          "| oef ÷ gavel-paper | ceiling ÷ gavel-paper | ceiling ÷ LP only |")
+    print("|---|---|---|---|---|---|---|---|")
+    for spec in args.mixes.split(","):
+        print(_unfused_ceiling_row(spec, calib, args.hours), flush=True)
     return 0
+
+
+def _unfused_ceiling_row(spec: str, calib: JobTypeCurves, hours: float) -> str:
+    """oef and gavel-paper against the most unfused throughput, one job type per tenant."""
+    mix = _mix(spec)
+    curves = dict(calib.curves)
+    reference = {j: calib.curves[(j, "p100")].solo_steps_per_s for j in calib.job_types}
+    studies, trials = synthetic_workload(calib.job_types, reference, sum(mix.values()), one_type_per_tenant=True,
+                                         hours=hours, seed=0)
+    paper = simulate("gavel-paper", studies, trials, curves, mix, GPU_MEMORY_BYTES, seed=0).norm_throughput
+    lp_only = simulate("gavel-paper", studies, trials, curves, mix, GPU_MEMORY_BYTES, seed=0,
+                       backfill=False).norm_throughput
+    oef = simulate("oef", studies, trials, curves, mix, GPU_MEMORY_BYTES, seed=0).norm_throughput
+    # ``gavel`` with one tenant: the unfused max-throughput LP over the whole cluster.
+    ceiling = simulate("gavel", *_without_fairness(studies, trials, curves), mix, GPU_MEMORY_BYTES, seed=0).norm_throughput
+    return (
+        f"| {spec} | {paper:.2f} | {lp_only:.2f} | {oef:.2f} | {ceiling:.2f} | {oef / paper:.3f} "
+        f"| {ceiling / paper:.3f} | {ceiling / lp_only:.3f} |"
+    )
 
 
 if __name__ == "__main__":
