@@ -19,10 +19,22 @@ if TYPE_CHECKING:
 POSTGRES_ENV = "FUSETUNE_TEST_POSTGRES_URL"
 
 
+#: Every port :func:`free_port` has handed out in this process. The kernel may give a port
+#: back again once its probe socket is closed, and two of one test's ports alike (say a Ray
+#: head's GCS port and a node's agent port) fail the start ("port ... used by other
+#: components"), so no port is handed out twice.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, and that this process has not handed out."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @contextmanager

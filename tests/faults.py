@@ -26,6 +26,8 @@ import httpx
 import optuna
 import sqlalchemy as sa
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("FUSETUNE_RELIABILITY_DIR", ROOT / "build" / "reliability"))
 
@@ -162,7 +164,7 @@ class ServiceProcess:
 
     def __init__(self, env: dict[str, str], log_path: Path, admin_token: str) -> None:
         self.ray_tmp = short_tmpdir("ft12srv-")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # fusetune and ray, as installed
         self.env = {**os.environ, **env, "RAY_TMPDIR": self.ray_tmp, "FUSETUNE_ADMIN_TOKEN": admin_token, "PATH": path}
@@ -220,14 +222,6 @@ class ServiceProcess:
         self.kill9()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- the database, cut -----------------------------------------------------------------------------
 class TcpProxy:
     """Forwards ``127.0.0.1:port`` to ``target``; :meth:`cut` closes every connection and stops
@@ -235,7 +229,7 @@ class TcpProxy:
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
-        self.port = _free_port()
+        self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()

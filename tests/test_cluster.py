@@ -18,7 +18,6 @@ import os
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from tests.conftest import free_port
 from tests.faults import ROOT, ServiceProcess, audit, kill_all, processes_under, record, resumed, short_tmpdir, wait_until
 
 pytestmark = pytest.mark.slow
@@ -40,12 +40,6 @@ ONE_SHAPE = {
     "hidden": D.distribution_to_json(D.CategoricalDistribution([32])),
     "lr": D.distribution_to_json(D.FloatDistribution(0.01, 0.1)),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def compose_services() -> dict:
