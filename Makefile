@@ -34,9 +34,10 @@ lint: $(STAMP)
 	for d in $(PACKAGES) migrations; do ln -s ../../../$$d build/typecheck/fusetune/$$d; done
 	MYPYPATH=build/typecheck $(BIN)/mypy $(foreach p,$(PACKAGES),-p fusetune.$(p))
 
-# Two test processes (pytest-xdist), each with its own local Ray: the suite spends most of its
-# time waiting on live services' workers, and two overlap that on the 2-core machine. The slow
-# live tests come last; worksteal hands a process that runs dry some of the other's share.
+# Two test processes (pytest-xdist), each with its own local Ray, one a core: the suite keeps
+# both cores busy (three processes took 16:51 against two's 14:53 on 7 December, the cores 94%
+# busy, most of it the live services' Ray workers starting and training). The slow live tests
+# come last; worksteal hands a process that runs dry some of the other's share.
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -n 2 --dist worksteal
 
