@@ -42,4 +42,4 @@ test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 clean:
-	rm -rf $(VENV) fusetune.db artifacts
+	rm -rf $(VENV) fusetune.db fusetune.db.scheduler.lock artifacts
