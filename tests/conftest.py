@@ -7,6 +7,7 @@ import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -19,22 +20,40 @@ if TYPE_CHECKING:
 POSTGRES_ENV = "FUSETUNE_TEST_POSTGRES_URL"
 
 
-#: Every port :func:`free_port` has handed out in this process. The kernel may give a port
-#: back again once its probe socket is closed, and two of one test's ports alike (say a Ray
-#: head's GCS port and a node's agent port) fail the start ("port ... used by other
-#: components"), so no port is handed out twice.
-_HANDED_OUT: set[int] = set()
+def _port_block() -> Iterator[int]:
+    """The ports this test process hands out: its own block of those between Ray's worker
+    ports (10002-19999) and the kernel's ephemeral range.
+
+    Ray picks the ports of the node components a test leaves to it as ``bind(0)`` does, and
+    every outgoing connection takes its local port, from the ephemeral range; a port probed
+    there with ``bind(0)`` and closed may be handed out again, to this process or another
+    (a Ray head's GCS port and a node's agent port once came back alike: "port ... used by
+    other components"). Below that range, each pytest-xdist process in a block of its own
+    and each port once, no two of the suite's services are given one port.
+    """
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (ephemeral - 20000) // processes
+    yield from range(20000 + index * size, 20000 + (index + 1) * size)
+
+
+_PORTS = _port_block()
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on now, and that this process has not handed out."""
-    while True:
+    """A loopback port nothing listens on now, never handed out before in this test session."""
+    for port in _PORTS:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # something of this machine's listens there
+                continue
+        return port
+    raise RuntimeError("this test process has handed out every port of its block (tests/conftest.py)")
 
 
 @contextmanager
