@@ -261,6 +261,64 @@ def test_optimize_and_the_cli_train_a_module_path_in_a_folder(service: ServicePr
     assert service.proc is not None and service.proc.pid not in pids(marker, "import") | pids(marker, "build")
 
 
+def test_a_packages_requirements_are_installed_by_ray_where_its_code_runs(
+    service: ServiceProcess, token: str, tmp_path: Path
+) -> None:
+    """``requirements`` go to Ray's ``pip`` runtime_env: Ray installs them in an environment of
+    the package's own, and the code imports them there. The requirement is a wheel made here
+    (no index needed) of a module this test's environment does not have."""
+    wheel = _wheel(tmp_path / "wheels", "ft_req_probe", 'WHERE = __file__\n')
+    marker = tmp_path / "marker"
+    code = tmp_path / "code"
+    module = write_module(code, marker, name="byo-requirements")
+    source = code / f"{module}.py"
+    source.write_text(source.read_text().replace(
+        '    _note("build")\n',
+        '    _note("build")\n    import ft_req_probe\n\n    _note("probe:" + ft_req_probe.WHERE)\n',
+    ))
+    with pytest.raises(ImportError):
+        importlib.import_module("ft_req_probe")
+    study = ft.create_study(
+        workload=f"{module}:WORKLOAD", code=code, n_trials=2, epochs=1, requirements=[f"ft-req-probe @ {wheel.as_uri()}"],
+        sampler=optuna.samplers.RandomSampler(seed=SEED), url=service.url, token=token,
+    )
+    with Client(service.url, token=token) as client:
+        (row,) = [s for s in client.studies() if s["name"] == study.study_name]
+        done = ended(client, row["id"])
+        assert done["state"] == "COMPLETE", done["error"]
+    # Every process that built the model imported the probe from the environment Ray made,
+    # not from this test's.
+    places = {line.split()[1].split(":", 1)[1] for line in marker.read_text().splitlines() if line.split()[1].startswith("probe:")}
+    assert places and all(not p.startswith(sys.prefix) for p in places), places
+
+
+def _wheel(folder: Path, module: str, source: str) -> Path:
+    """A pure-Python wheel of one module, as a build backend would write it."""
+    import base64
+    import hashlib
+    import zipfile
+
+    def record(name: str, data: bytes) -> str:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        return f"{name},sha256={digest},{len(data)}"
+
+    dist = module.replace("_", "-")
+    info = f"{module}-1.0.dist-info"
+    files = {
+        f"{module}.py": source.encode(),
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    lines = [record(name, data) for name, data in files.items()] + [f"{info}/RECORD,,"]
+    files[f"{info}/RECORD"] = ("\n".join(lines) + "\n").encode()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{module}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return path
+
+
 def test_broken_code_fails_its_own_study_with_the_traceback_and_no_other(service: ServiceProcess, token: str, tmp_path: Path) -> None:
     good = imported(tmp_path / "good", write_module(tmp_path / "good", tmp_path / "marker", name="byo-good"))
     with Client(service.url, token=token) as client:
