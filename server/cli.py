@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -441,7 +442,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return simulate.main(argv[1:])
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        code: int = args.func(args)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`fusetune status 5 | head`): stop quietly, as other Unix
+        # tools do, and point stdout at /dev/null so that the interpreter's own flush at
+        # exit does not raise again (the recipe of Python's signal documentation).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _tenant_commands(sub: Any, rest: argparse.ArgumentParser) -> None:

@@ -63,6 +63,29 @@ def test_submit_then_status(server: Server, tmp_path: Path, capsys: pytest.Captu
     assert f"study {created['id']} from-cli: RUNNING" in capsys.readouterr().out
 
 
+def test_a_reader_that_goes_away_ends_the_command_quietly(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fusetune status | head`: once the reader has closed the pipe, the command stops
+    without a traceback (exit 1), as other Unix tools do."""
+    import subprocess
+
+    token = create(server, capsys, "acme")["token"]["token"]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"workload": "digits-cnn", "n_trials": 3, "name": "piped"}))
+    assert main(["submit", str(sweep), "--url", server.url, "--token", token]) == 0
+    read, write = os.pipe()
+    os.close(read)  # gone before the command writes anything: its first write fails
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "fusetune.server.cli", "status", "--url", server.url, "--token", token],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1 and done.stderr == "", done.stderr
+
+
 def test_the_token_comes_from_the_environment(
     server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
