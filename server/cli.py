@@ -371,7 +371,12 @@ def _local_tenant_token(admin: Client) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=get_settings().log_level, format="%(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="fusetune", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fusetune",
+        # The module docstring is for readers of the code; --help speaks to the user.
+        description="fusetune: a hyper-parameter tuning service that trains many trials at once as "
+        "horizontally fused models. 'fusetune COMMAND --help' describes each command.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     default_url = f"http://{get_settings().host}:{get_settings().port}"
 
@@ -381,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_serve)
 
     rest = argparse.ArgumentParser(add_help=False)
-    rest.add_argument("--url", default=default_url)
+    # FUSETUNE_URL first, as the Python client reads it; else this machine's own service.
+    rest.add_argument(
+        "--url", default=os.environ.get("FUSETUNE_URL") or default_url,
+        help=f"the service (default: FUSETUNE_URL, else {default_url})",
+    )
     rest.add_argument("--token", help="bearer token (default: FUSETUNE_TOKEN)")
 
     p = sub.add_parser(

@@ -100,6 +100,10 @@ def test_the_token_comes_from_the_environment(
     assert json.loads(capsys.readouterr().out)["tenant"] == "acme"
     assert main(["status", "--url", server.url]) == 0
     assert "env" in capsys.readouterr().out
+    # And the service's URL, as the Python client reads it.
+    monkeypatch.setenv("FUSETUNE_URL", server.url)
+    assert main(["status"]) == 0
+    assert "env" in capsys.readouterr().out
 
 
 def test_rejected_submission_says_why(server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
