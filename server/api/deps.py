@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from fusetune.server.api.json_body import StrictJSONRequest
 from fusetune.server.auth import Principal, principal_for
 from fusetune.server.db import retry_disconnected
 from fusetune.server.settings import Settings
@@ -103,10 +104,20 @@ class SessionRoute(APIRoute):
     fill with requests waiting for connections that only those requests hold, until the pool's
     30 s timeout answers 503 (``tests/server/test_operations.py``). Every router of the API
     makes its routes with this class; the answers are pydantic models, read before the close.
+    Its requests' JSON bodies hold finite numbers only (:mod:`fusetune.server.api.json_body`).
     """
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, _closing_sessions(endpoint), **kwargs)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        """FastAPI's handler, given the request as a :class:`StrictJSONRequest` (finite numbers only)."""
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict
 
 
 async def get_app_settings(request: Request) -> Settings:

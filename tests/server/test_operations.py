@@ -101,6 +101,37 @@ def test_a_write_whose_body_is_not_json_is_415(api: httpx.Client, database_url: 
     assert ok.status_code == 201, ok.text
 
 
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ('{"workload": "digits-mlp", "n_trials": NaN, "epochs": 1}', ["body", "n_trials"]),
+        ('{"workload": "digits-mlp", "n_trials": 4, "epochs": Infinity}', ["body", "epochs"]),
+        ('{"workload": "digits-mlp", "n_trials": 4, "epochs": 1e999}', ["body", "epochs"]),
+        # Fields that take any float: stored as null if let through.
+        ('{"workload": "digits-mlp", "n_trials": 4, "max_norm": 1e999}', ["body", "max_norm"]),
+        ('{"workload": "digits-mlp", "n_trials": 4, "optimizer": {"name": "SGD", "kwargs": {"lr": -Infinity}}}',
+         ["body", "optimizer", "kwargs", "lr"]),
+        ('{"workload": "digits-mlp", "n_trials": 4, "sampler": {"name": "TPESampler", "kwargs": {"seed": NaN}}}',
+         ["body", "sampler", "kwargs", "seed"]),
+        ('[1, NaN]', ["body", 1]),
+        ("NaN", ["body"]),
+    ],
+)
+def test_a_body_with_a_number_json_lacks_is_422_naming_the_field(api: httpx.Client, database_url: str, body: str, loc: list) -> None:
+    """NaN, Infinity and numbers past a double are not JSON, though Python's parser reads them."""
+    response = api.post("/api/v1/studies", content=body.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert [e["loc"] for e in response.json()["detail"]] == [loc]
+    assert study_rows(database_url) == 0
+    created = api.post("/api/v1/studies", json=STUDY).json()
+    response = api.patch(f"/api/v1/studies/{created['id']}", content=b'{"n_trials": NaN}', headers={"content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "n_trials"], response.text
+    # A finite number in exponent form is a number like any other.
+    body = b'{"workload": "digits-mlp", "n_trials": 4, "max_norm": 1e3}'
+    response = api.post("/api/v1/studies", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 201 and response.json()["max_norm"] == 1000.0, response.text
+
+
 @pytest.mark.parametrize("bad", [2**31, 2**63, 99999999999999999999, 0, -1])
 def test_ids_past_the_databases_integers_are_422_naming_them(api: httpx.Client, bad: int) -> None:
     for template, name in [
