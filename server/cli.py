@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -13,8 +14,10 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import uvicorn
 from pydantic import SecretStr, ValidationError
+from sqlalchemy.exc import OperationalError
 
 from fusetune.client import Client, FusetuneError
 from fusetune.server.settings import Settings, get_settings
@@ -83,7 +86,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.code is None and (args.requirement or args.exclude):
         print("--requirement and --exclude go with --code", file=sys.stderr)
         return 2
-    body = json.load(sys.stdin if args.file == "-" else open(args.file))
+    try:
+        with (open(args.file) if args.file != "-" else contextlib.nullcontext(sys.stdin)) as f:
+            body = json.load(f)
+    except json.JSONDecodeError as exc:
+        print(f"{'stdin' if args.file == '-' else args.file} is not JSON: {exc}", file=sys.stderr)
+        return 2
     with Client(args.url, token=args.token) as client:
         try:
             if args.code is not None:
@@ -247,7 +255,12 @@ class DatabaseTenants:
 
 def _quota(value: str) -> int | None:
     """A quota on the command line: a count, or ``none`` for no limit."""
-    return None if value.lower() == "none" else int(value)
+    if value.lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a count or 'none', not {value!r}") from None
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
@@ -264,16 +277,17 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             print(json.dumps(created, indent=2))
             print(f"tenant {args.name}'s token is shown only this once: hand it over as FUSETUNE_TOKEN", file=sys.stderr)
         elif args.action == "list":
-            print(f"{'tenant':<24} {'weight':>8} {'max running studies':>20} {'max trials/study':>17}")
+            print(f"{'tenant':<24} {'weight':>8} {'max running studies':>20} {'max trials/study':>17} {'code upload':>12}")
             for t in backend.tenants():
                 limits = [("-" if t[k] is None else t[k]) for k in ("max_running_studies", "max_trials_per_study")]
-                print(f"{t['name']:<24} {t['weight']:>8g} {limits[0]:>20} {limits[1]:>17}")
+                upload = "on" if t.get("code_upload") else "off"
+                print(f"{t['name']:<24} {t['weight']:>8g} {limits[0]:>20} {limits[1]:>17} {upload:>12}")
         elif args.action == "set-weight":
             print(json.dumps(backend.set_weight(args.name, args.weight), indent=2))
         elif args.action == "set-code-upload":
             print(json.dumps(backend.update_tenant(args.name, code_upload=args.allowed == "on"), indent=2))
         elif args.action == "set-quota":
-            changes = {k: getattr(args, k) for k in ("max_running_studies", "max_trials_per_study") if getattr(args, k) != "keep"}
+            changes = {k: getattr(args, k) for k in ("max_running_studies", "max_trials_per_study") if hasattr(args, k)}
             print(json.dumps(backend.update_tenant(args.name, **changes), indent=2))
         elif args.action == "token":
             print(json.dumps(backend.create_token(args.name, args.label), indent=2))
@@ -455,12 +469,26 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
         sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
         return code
+    except (httpx.TransportError, httpx.InvalidURL) as exc:
+        # A user's slip (no service there, a URL without its scheme): one line, not a traceback
+        # (FUSETUNE_LOG_LEVEL=DEBUG shows it).
+        log.debug("the service could not be reached", exc_info=True)
+        print(f"cannot reach the service at {getattr(args, 'url', '?')!r}: {exc}", file=sys.stderr)
+        return 2
+    except OperationalError as exc:
+        log.debug("the database could not be used", exc_info=True)
+        print(f"cannot use the database: {exc.orig}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # The reader went away (`fusetune status 5 | head`): stop quietly, as other Unix
         # tools do, and point stdout at /dev/null so that the interpreter's own flush at
         # exit does not raise again (the recipe of Python's signal documentation).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as exc:  # a file named on the command line that is not there, or not readable
+        log.debug("a file could not be used", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _tenant_commands(sub: Any, rest: argparse.ArgumentParser) -> None:
@@ -494,8 +522,10 @@ def _tenant_commands(sub: Any, rest: argparse.ArgumentParser) -> None:
     p.add_argument("allowed", choices=("on", "off"))
     p = actions.add_parser("set-quota", parents=[via], help="change a tenant's quotas ('none': no limit)")
     p.add_argument("name")
-    p.add_argument("--max-running-studies", type=_quota, default="keep", metavar="N|none")
-    p.add_argument("--max-trials-per-study", type=_quota, default="keep", metavar="N|none")
+    # A quota not named stays as it is (SUPPRESS: argparse leaves it out of args, where a
+    # string default would be run through _quota).
+    p.add_argument("--max-running-studies", type=_quota, default=argparse.SUPPRESS, metavar="N|none")
+    p.add_argument("--max-trials-per-study", type=_quota, default=argparse.SUPPRESS, metavar="N|none")
     p = actions.add_parser("token", parents=[via], help="issue another token for a tenant; printed once")
     p.add_argument("name")
     p.add_argument("--label", help="a note on the token (who holds it)")

@@ -234,7 +234,7 @@ def test_tenants_over_the_api(server: Server, capsys: pytest.CaptureFixture[str]
 
     assert main(["tenants", "list", *rest]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == ["acme", "2", "-", "50"] and lines[2].split() == ["default", "1", "-", "-"]
+    assert lines[1].split() == ["acme", "2", "-", "50", "off"] and lines[2].split() == ["default", "1", "-", "-", "off"]
 
     assert main(["tenants", "set-weight", "acme", "4.5", *rest]) == 0
     assert json.loads(capsys.readouterr().out)["weight"] == 4.5
@@ -242,6 +242,20 @@ def test_tenants_over_the_api(server: Server, capsys: pytest.CaptureFixture[str]
     assert json.loads(capsys.readouterr().out) == {
         "name": "acme", "weight": 4.5, "max_running_studies": 3, "max_trials_per_study": None, "code_upload": False,
     }
+    # One quota named: the other stays as it is.
+    assert main(["tenants", "set-quota", "acme", "--max-trials-per-study", "500", *rest]) == 0
+    assert json.loads(capsys.readouterr().out)["max_running_studies"] == 3
+    assert main(["tenants", "set-quota", "acme", "--max-running-studies", "none", *rest]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "name": "acme", "weight": 4.5, "max_running_studies": None, "max_trials_per_study": 500, "code_upload": False,
+    }
+    with pytest.raises(SystemExit) as exit_:
+        main(["tenants", "set-quota", "acme", "--max-running-studies", "many", *rest])
+    assert exit_.value.code == 2 and "a count or 'none', not 'many'" in capsys.readouterr().err
+    assert main(["tenants", "set-code-upload", "acme", "on", *rest]) == 0
+    capsys.readouterr()
+    assert main(["tenants", "list", *rest]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[-1] == "on"
 
     # A tenant's own token: no weights, but its own tokens.
     mine = ["--url", server.url, "--token", token]
@@ -276,7 +290,7 @@ def test_tenants_bootstrap_on_the_database_without_an_admin(tmp_path: Path, caps
     for server in serve(url, admin_token=None):
         assert main(["status", "--url", server.url, "--token", created["token"]["token"]]) == 0
         assert main(["tenants", "list", "--url", server.url, "--token", created["token"]["token"]]) == 0
-        assert capsys.readouterr().out.splitlines()[1].split() == ["acme", "3", "-", "-"]
+        assert capsys.readouterr().out.splitlines()[1].split() == ["acme", "3", "-", "-", "on"]
         assert main(["tenants", "revoke", str(created["token"]["id"]), "--database-url", url]) == 0
         capsys.readouterr()
         assert main(["status", "--url", server.url, "--token", created["token"]["token"]]) == 2
@@ -288,3 +302,23 @@ def test_simulate_is_the_scheduler_simulator(capsys: pytest.CaptureFixture[str])
         main(["simulate", "--help"])
     assert exit_info.value.code == 0
     assert "--cluster" in capsys.readouterr().out
+
+
+def test_a_users_slips_are_one_line_each_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing or malformed sweep file, no service at the URL, a URL without its scheme and a
+    database that cannot be opened: exit 2 and one line saying which."""
+    slips = [
+        (["submit", str(tmp_path / "missing.json")], "No such file or directory"),
+        (["submit", str(tmp_path / "bad.json")], "bad.json is not JSON"),
+        (["status", "--url", f"http://127.0.0.1:{free_port()}"], "cannot reach the service"),  # nothing listens there
+        (["status", "--url", "127.0.0.1:8000"], "protocol"),
+        (["tenants", "create", "acme", "--database-url", f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}"], "cannot use the database"),
+    ]
+    (tmp_path / "bad.json").write_text("{workload: digits-mlp}")
+    monkeypatch.setenv("FUSETUNE_TOKEN", "ft_whatever")
+    for argv, says in slips:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
