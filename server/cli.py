@@ -327,7 +327,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         with Client(server.url, token=settings.admin_token.get_secret_value()) as admin:
             token = _local_tenant_token(admin)
-        print(f"tenant 'default', its token (shown once; also in the summary below):\n  export FUSETUNE_TOKEN={token}")
+        print(f"tenant 'default', its token (shown once; also in the summary below):\n  export FUSETUNE_URL={server.url} FUSETUNE_TOKEN={token}")
         print(f"dashboard (logs in as 'default'; watch the sweep live):\n  {server.url}/#token={token}")
         if made_up_admin:
             print(f"admin token of this run (set FUSETUNE_ADMIN_TOKEN to keep one):\n  {settings.admin_token.get_secret_value()}")
@@ -358,7 +358,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"\ndashboard: {server.url}/#token={token}")
             print(f"\nAPI docs:  {server.url}/docs")
             print(f"trials:    {server.url}/api/v1/studies/{study['id']}/trials")
-            print(f"token:     export FUSETUNE_TOKEN={token}   (tenant 'default')")
+            print(f"token:     export FUSETUNE_URL={server.url} FUSETUNE_TOKEN={token}   (tenant 'default')")
             print(f'try:       curl -H "Authorization: Bearer $FUSETUNE_TOKEN" {server.url}/api/v1/studies/{study["id"]}')
             print(f"Optuna:    optuna.load_study(study_name={study['name']!r}, storage={settings.database_url!r})")
         if args.exit:

@@ -57,8 +57,11 @@ def test_demo_sweep(ray_cluster: str, tmp_path: Path) -> None:
     assert study.best_value == pytest.approx(best, abs=1e-4)
 
     # The token it printed is the local tenant's, and works on a later server of that database.
-    tokens = set(re.findall(r"export FUSETUNE_TOKEN=(\S+)", out))
+    tokens = set(re.findall(r"export FUSETUNE_URL=\S+ FUSETUNE_TOKEN=(\S+)", out))
     assert len(tokens) == 1, out
+    # With the service's own URL, which the client and the CLI read.
+    (url,) = set(re.findall(r"export FUSETUNE_URL=(\S+) ", out))
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url), url
     token = tokens.pop()
     assert "Authorization: Bearer $FUSETUNE_TOKEN" in out
     # The dashboard's URL logs in with that same token (the page keeps it from the fragment).
