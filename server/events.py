@@ -162,6 +162,21 @@ def read(
     return [EventOut.model_validate(e) for e in session.scalars(query)]
 
 
+def earlier_studys_end(session: Session, study_id: int) -> int:
+    """The id of the ``study.deleted`` event of an earlier study with this id, 0 if none.
+
+    SQLite gives a new row the id after the largest one left, so deleting the newest study
+    hands its id to the next one; its events stay (until their retention), and ended with its
+    ``study.deleted``. A live study's stream starts after that event: it is another study's
+    history. PostgreSQL's sequences never reuse an id, so there it is 0 without a query (the
+    query reads every event of the study, as no index has the kind).
+    """
+    if session.get_bind().dialect.name != "sqlite":
+        return 0
+    query = select(func.max(Event.id)).where(Event.study_id == study_id, Event.kind == "study.deleted")
+    return session.scalar(query) or 0
+
+
 def last_id(session: Session) -> int:
     """The newest event's id (0 when there are none): a stream that names no Last-Event-ID starts after it."""
     return session.scalar(select(func.max(Event.id))) or 0
@@ -194,14 +209,18 @@ async def stream(
     worker thread, with a session of its own, so an open stream holds no connection while it waits.
     """
 
-    def fetch(after: int | None, recheck: bool) -> tuple[int, list[EventOut]] | None:
+    def fetch(after: int | None, recheck: bool, first: bool) -> tuple[int, list[EventOut]] | None:
         def once() -> tuple[int, list[EventOut]] | None:
             with sessions() as session:
                 if recheck and authorized is not None and not authorized(session):
                     return None
                 if after is None:
                     return last_id(session), []
-                return after, read(session, after, as_tenant=as_tenant, study_id=study_id, kinds=kinds)
+                start = after
+                if study_id is not None and first:
+                    # Once: while this study lives, no other study takes its id.
+                    start = max(after, earlier_studys_end(session, study_id))
+                return start, read(session, start, as_tenant=as_tenant, study_id=study_id, kinds=kinds)
 
         # ``sessions`` are the service's read sessions (autocommit, no pre-ping): a read is
         # one round trip, where a pinged transaction was four. A sweep's end reaches its
@@ -211,6 +230,7 @@ async def stream(
     deadline = time.monotonic() + max_stream_s
     recheck_at = time.monotonic() + recheck_s
     bell = _doorbell.subscribe(as_tenant, study_id, kinds) if follow else None
+    first = True
     try:
         while True:
             if bell is not None:
@@ -218,7 +238,8 @@ async def stream(
             recheck = time.monotonic() >= recheck_at
             if recheck:
                 recheck_at = time.monotonic() + recheck_s
-            fetched = await run_in_threadpool(fetch, after, recheck)
+            fetched = await run_in_threadpool(fetch, after, recheck, first)
+            first = False
             if fetched is None:
                 return  # its token no longer authenticates
             after, batch = fetched
