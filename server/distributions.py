@@ -194,7 +194,15 @@ def _reason(exc: ValidationError, value: Any) -> str:
     object), its location without pydantic's union tags: ``attributes.low: Input should be a valid number``."""
     as_json = [e for e in exc.errors() if e["loc"] and str(e["loc"][0]).startswith("json[")]
     errors = (as_json if isinstance(value, str) else [e for e in exc.errors() if e not in as_json]) or exc.errors()
-    deepest = max(errors, key=lambda e: len(e["loc"]))
+    # The form whose tag the entry has ('name' or 'type') says what is wrong; the other form's
+    # "Unable to extract tag" only says the entry is not of that form.
+    tagged = [e for e in errors if e["type"] != "union_tag_not_found"]
+    if not tagged and all(e["type"] == "union_tag_not_found" for e in errors):
+        return (
+            "an entry names its distribution by 'name' (Optuna's form, e.g. FloatDistribution) or by "
+            "'type' (the short form: float, int or categorical)"
+        )
+    deepest = max(tagged or errors, key=lambda e: len(e["loc"]))
     where = ".".join(str(part) for part in deepest["loc"] if "[" not in str(part))
     return f"{where}: {deepest['msg']}" if where else deepest["msg"]
 

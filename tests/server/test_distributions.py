@@ -67,6 +67,22 @@ def test_optunas_short_forms_are_accepted(entry: dict[str, Any]) -> None:
     assert Space(entry=entry).entry == entry and Space(entry=json.dumps(entry)).entry == json.dumps(entry)
 
 
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ({"type": "flaot", "low": 0, "high": 1}, "'flaot' found using 'type' does not match any of the expected tags: 'float'"),
+        ({"name": "FlaotDistribution", "attributes": {}}, "'FlaotDistribution' found using 'name'"),
+        ({"low": 0, "high": 1}, "names its distribution by 'name' (Optuna's form, e.g. FloatDistribution) or by 'type'"),
+        ({"type": "float", "low": "a", "high": 1}, "low: Input should be a valid number"),
+    ],
+)
+def test_a_refusal_speaks_of_the_form_the_entry_is_in(entry: dict[str, Any], says: str) -> None:
+    """A typo in the short form's type is named as one, not as a missing Optuna 'name'."""
+    for sent in (entry, json.dumps(entry)):
+        message = _refusal(sent)
+        assert message is not None and says in message and "Unable to extract tag" not in message, message
+
+
 # Entries near the grammar: each form with values of the right types (required keys, some
 # optional ones), then, half the time, one change: a value of another JSON type, a key too many
 # or one missing.
