@@ -18,20 +18,22 @@ from typing import Any
 from fastapi import HTTPException, Request, status
 
 
-def _non_finite(value: Any, path: tuple[str | int, ...] = ()) -> tuple[tuple[str | int, ...], float] | None:
-    """The path of the first non-finite number in a parsed body, and the number; ``None`` if none."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else (path, value)
-    if isinstance(value, dict):
-        items: Any = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        found = _non_finite(item, (*path, key))
-        if found is not None:
-            return found
+def _non_finite(body: Any) -> tuple[tuple[str | int, ...], float] | None:
+    """The path of the first non-finite number in a parsed body, and the number; ``None`` if none.
+
+    Walked with a stack, not recursion: a body may nest as deep as the JSON parser allows,
+    deeper than the frames left to a recursive walk inside the ASGI stack.
+    """
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                return path, value
+        elif isinstance(value, dict):
+            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
     return None
 
 
