@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -322,6 +323,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"fusetune: database {settings.database_url}; starting the service and a local Ray instance ...")
     # Ray installs its signal handlers only from the main thread, not from uvicorn's.
     ray.init(address=settings.ray_address, include_dashboard=False, log_to_driver=False)
+    # Stopped by SIGTERM (kill, a container's stop) as by Ctrl-C: the server and its loop stop
+    # below, where Ray's handler, which ray.init just installed, would end the process as it stands.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     server = BackgroundServer(settings).start()
     assert settings.admin_token is not None  # made up above when the environment set none
     try:
