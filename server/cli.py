@@ -24,6 +24,11 @@ from fusetune.client import Client, FusetuneError
 from fusetune.server.settings import Settings, get_settings
 
 log = logging.getLogger("fusetune")
+#: What ``fusetune --help`` says first (the module docstring is for readers of the code).
+DESCRIPTION = (
+    "fusetune: a hyper-parameter tuning service that trains many trials at once as horizontally "
+    "fused models. 'fusetune COMMAND --help' describes each command."
+)
 
 #: The demo sweep: lr, momentum and weight decay are fusible; the two hidden widths are not.
 #: FusionSampler picks one width per group of max_array_size trials: two arrays of eight.
@@ -389,12 +394,7 @@ def _local_tenant_token(admin: Client) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=get_settings().log_level, format="%(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(
-        prog="fusetune",
-        # The module docstring is for readers of the code; --help speaks to the user.
-        description="fusetune: a hyper-parameter tuning service that trains many trials at once as "
-        "horizontally fused models. 'fusetune COMMAND --help' describes each command.",
-    )
+    parser = argparse.ArgumentParser(prog="fusetune", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     default_url = f"http://{get_settings().host}:{get_settings().port}"
 
@@ -468,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         from fusetune.server import simulate
 
         return simulate.main(argv[1:])
-    args = parser.parse_args(argv)
+    return _run(parser.parse_args(argv))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the chosen command; the slips a user makes end it with one line on stderr."""
     try:
         code: int = args.func(args)
         sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
