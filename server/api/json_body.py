@@ -1,59 +1,106 @@
-"""Request bodies are JSON as RFC 8259 defines it: numbers are finite.
+"""Request bodies are JSON as RFC 8259 defines it, and text the service can write back.
 
-Python's ``json.loads``, which FastAPI parses bodies with, also reads ``NaN``, ``Infinity``
-and ``-Infinity``, and a number too large for a double (``1e999``) as an infinity. None of
-these is JSON, no field of the API means them, and they would go wrong later: a refused
-field's 422 echoes its input, which cannot be written back as JSON (a 500), and an accepted
-one would be stored as ``null`` (data silently changed). So a body with one is a 422 naming
-the field it is in, before any route sees it. The routes get the parsed body from this
-request class (:class:`StrictJSONRequest`), which FastAPI's own body handling then uses.
+Python's ``json.loads``, which FastAPI parses bodies with, reads more than JSON:
+
+* ``NaN``, ``Infinity`` and ``-Infinity``, and a number too large for a double (``1e999``)
+  as an infinity. No field of the API means them: a refused field's 422 echoes its input,
+  which cannot be written back as JSON (a 500), and an accepted one was stored as ``null``.
+* a lone UTF-16 surrogate escape (``"\\ud800"``), a string no UTF-8 encodes: stored, it made
+  every answer that reads it back a 500 (one tenant's study name broke the admin's listing).
+* the same key twice in an object, the last one winning, where RFC 8259 leaves it undefined
+  and another parser may keep the first: the request would mean two things.
+
+So a body with any of these is a 422 naming where it is (``loc``), before a route sees it.
+The routes get the parsed body from this request class (:class:`StrictJSONRequest`), which
+FastAPI's own body handling then uses.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from fastapi import HTTPException, Request, status
 
+#: A UTF-16 surrogate code point, which only a ``\\u`` escape can put into a parsed string.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
-def _non_finite(body: Any) -> tuple[tuple[str | int, ...], float] | None:
-    """The path of the first non-finite number in a parsed body, and the number; ``None`` if none.
+Path = tuple[str | int, ...]
+
+
+class _Refused(Exception):
+    def __init__(self, path: Path, msg: str, kind: str) -> None:
+        super().__init__(msg)
+        self.path, self.msg, self.kind = path, msg, kind
+
+
+class _Object(dict[str, Any]):
+    """A parsed object that remembers a key it was given twice (the walk refuses it, with its path)."""
+
+    repeated: str | None = None
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    out = _Object()
+    for key, value in pairs:
+        if key in out and out.repeated is None:
+            out.repeated = key
+        out[key] = value
+    return out
+
+
+def _text(value: str, path: Path) -> None:
+    if _SURROGATE.search(value):
+        raise _Refused(path, "a lone UTF-16 surrogate escape is no character: the text cannot be stored", "unicode_surrogate")
+
+
+def _check(body: Any) -> None:
+    """Raise :class:`_Refused` at the first thing refused, depth first, in document order.
 
     Walked with a stack, not recursion: a body may nest as deep as the JSON parser allows,
     deeper than the frames left to a recursive walk inside the ASGI stack.
     """
-    stack: list[tuple[tuple[str | int, ...], Any]] = [((), body)]
+    stack: list[tuple[Path, Any]] = [((), body)]
     while stack:
         path, value = stack.pop()
         if isinstance(value, float):
             if not math.isfinite(value):
-                return path, value
+                raise _Refused(
+                    path, f"{value} is not a JSON number: JSON has no NaN or Infinity, and numbers must fit a double",
+                    "finite_number",
+                )
+        elif isinstance(value, str):
+            _text(value, path)
         elif isinstance(value, dict):
+            if isinstance(value, _Object) and value.repeated is not None:
+                raise _Refused((*path, value.repeated), f"the key {value.repeated!r} is given twice in one object", "duplicate_key")
+            for key in value:
+                _text(key, (*path, key))
             stack.extend(((*path, k), v) for k, v in reversed(value.items()))
         elif isinstance(value, list):
             stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
-    return None
+
+
+def _printable(part: str | int) -> str | int:
+    """A path component as the 422 can write it: a surrogate in a key shown as its escape."""
+    return part.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(part, str) else part
 
 
 class StrictJSONRequest(Request):
-    """A request whose JSON body is refused (422, naming the field) if it holds a non-finite number."""
+    """A request whose JSON body is refused (422, naming where) if it holds what is not JSON's
+    or not text: a non-finite number, a lone surrogate, a key given twice."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            body = json.loads(await self.body())  # JSONDecodeError: FastAPI's own 422
-            found = _non_finite(body)
-            if found is not None:
-                path, number = found
+            body = json.loads(await self.body(), object_pairs_hook=_object)  # JSONDecodeError: FastAPI's own 422
+            try:
+                _check(body)
+            except _Refused as refused:
                 raise HTTPException(
                     status.HTTP_422_UNPROCESSABLE_CONTENT,
-                    [{
-                        "loc": ["body", *path],
-                        "msg": f"{number} is not a JSON number: JSON has no NaN or Infinity, and numbers "
-                        "must fit a double",
-                        "type": "finite_number",
-                    }],
-                )
+                    [{"loc": ["body", *map(_printable, refused.path)], "msg": refused.msg, "type": refused.kind}],
+                ) from None
             self._json = body
         return self._json

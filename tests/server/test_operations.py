@@ -115,10 +115,21 @@ def test_a_write_whose_body_is_not_json_is_415(api: httpx.Client, database_url: 
          ["body", "sampler", "kwargs", "seed"]),
         ('[1, NaN]', ["body", 1]),
         ("NaN", ["body"]),
+        # A lone surrogate escape: no UTF-8 text, so no answer could write it back.
+        ('{"workload": "digits-mlp", "n_trials": 4, "name": "a\\ud800"}', ["body", "name"]),
+        ('{"workload": "digits-mlp", "n_trials": 4, "search_space": {"a\\udc00b": {"type": "float", "low": 0.1, "high": 1}}}',
+         ["body", "search_space", "a\\udc00b"]),
+        ('{"workload": "digits-mlp", "n_trials": 4, "search_space": {"hidden": {"type": "categorical", "choices": [32, "a\\ud800"]}}}',
+         ["body", "search_space", "hidden", "choices", 1]),
+        # A key twice: which one the request meant is not JSON's to say.
+        ('{"workload": "digits-mlp", "n_trials": 4, "workload": "digits-cnn"}', ["body", "workload"]),
+        ('{"workload": "digits-mlp", "n_trials": 4, "sampler": {"name": "TPESampler", "kwargs": {"seed": 1, "seed": 2}}}',
+         ["body", "sampler", "kwargs", "seed"]),
     ],
 )
-def test_a_body_with_a_number_json_lacks_is_422_naming_the_field(api: httpx.Client, database_url: str, body: str, loc: list) -> None:
-    """NaN, Infinity and numbers past a double are not JSON, though Python's parser reads them."""
+def test_a_body_with_what_json_lacks_is_422_naming_the_field(api: httpx.Client, database_url: str, body: str, loc: list) -> None:
+    """NaN, Infinity and numbers past a double are not JSON, nor a lone surrogate text, nor an
+    object with a key twice, though Python's parser reads them all; nothing is written."""
     response = api.post("/api/v1/studies", content=body.encode(), headers={"content-type": "application/json"})
     assert response.status_code == 422, response.text
     assert [e["loc"] for e in response.json()["detail"]] == [loc]
