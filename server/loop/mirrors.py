@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +41,10 @@ log = logging.getLogger(__name__)
 
 #: How long the rows of a study this process created are kept for its first mirror (adopt).
 _CREATED_TTL_S = 60.0
-#: (workload, search space) -> its non-fusible params: probed once per process.
-_NON_FUSIBLE: dict[tuple[str, str], frozenset[str]] = {}
+#: (workload, search space) -> its non-fusible params: probed once per process, the newest
+#: _MAX_NON_FUSIBLE kept (tenants can make new spaces without end).
+_NON_FUSIBLE: OrderedDict[tuple[str, str], frozenset[str]] = OrderedDict()
+_MAX_NON_FUSIBLE = 1024
 
 
 def group_size(study: Study, settings: Settings, devices: int) -> int:
@@ -91,6 +94,8 @@ def study_sampler(
                 _NON_FUSIBLE[key] = non_fusible_params(
                     workload, distributions=distributions, signature=lambda params: trial_signature(workload, params),
                 )
+            if len(_NON_FUSIBLE) > _MAX_NON_FUSIBLE:
+                _NON_FUSIBLE.popitem(last=False)
         return FusionSampler(sampler, non_fusible=_NON_FUSIBLE[key], group_size=group_size(study, settings, devices))
     except ValueError as exc:
         # No probe of the space built a model: its trials will fail one by one with their

@@ -38,6 +38,20 @@ def test_a_study_search_space_is_probed_instead_of_the_workloads() -> None:
     assert non_fusible_params("digits-mlp", distributions=SPACE) == {"hidden", "batch_size"}
 
 
+def test_a_static_spaces_probes_are_its_params_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A static space returns a trial's params unchanged, so varying one param is that dict,
+    with no Optuna trial run for it: only the contexts are asked (each ask of an in-memory
+    study costs more as it fills, which made a wide space's probing quadratic)."""
+    from fusetune.workers.samplers import _workload
+
+    asked: list[int] = []
+    run = _workload._Prober.run
+    monkeypatch.setattr(_workload._Prober, "run", lambda self, fixed=None: asked.append(1) or run(self, fixed))
+    wide = {**SPACE, **{f"unused{i}": FloatDistribution(0.0, 1.0) for i in range(200)}}
+    assert non_fusible_params("digits-mlp", distributions=wide, contexts=3) == {"hidden", "batch_size"}
+    assert len(asked) == 3
+
+
 def conditional_space(trial: optuna.Trial) -> dict[str, Any]:
     params = {"lr": trial.suggest_float("lr", 1e-3, 0.3, log=True), "layers": trial.suggest_int("layers", 1, 2)}
     if params["layers"] == 2:

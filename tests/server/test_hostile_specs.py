@@ -130,6 +130,21 @@ def test_a_kwarg_optuna_rejects_past_the_caps_is_a_422_naming_the_component(api:
     assert ["body", "sampler"] in _locs(response) and "multivariate" in response.text
 
 
+def test_a_search_space_past_its_cap_is_a_422_naming_it(api: httpx.Client) -> None:
+    """The scheduling loop probes a new space for the params that change shapes: a space of
+    thousands of params held it for minutes for every tenant. The cap refuses it at the door."""
+    from fusetune.server.schemas import MAX_SEARCH_SPACE_PARAMS
+
+    def space(n: int) -> dict[str, Any]:
+        return {f"p{i}": {"type": "float", "low": 0.0, "high": 1.0} for i in range(n)}
+
+    response = api.post("/api/v1/studies", json={**VALID, "search_space": space(MAX_SEARCH_SPACE_PARAMS + 1)})
+    assert response.status_code == 422 and _locs(response) == [["body", "search_space"]], response.text
+    assert str(MAX_SEARCH_SPACE_PARAMS) in response.text
+    response = api.post("/api/v1/studies", json={**VALID, "search_space": space(MAX_SEARCH_SPACE_PARAMS)})
+    assert response.status_code == 201, response.text
+
+
 def test_samplers_and_pruners_within_the_caps_are_created(api: httpx.Client) -> None:
     specs = [
         {"sampler": {"name": "GridSampler", "kwargs": {"search_space": {"hidden": [32, 64], "lr": [0.01, 0.1]}}}},

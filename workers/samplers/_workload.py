@@ -163,11 +163,18 @@ def non_fusible_params(
             seen += 1
 
             def varied(trial_params: Mapping[str, Any], base: str = base) -> _Digest:
-                result = prober.run(trial_params)
-                if result is None:
+                if distributions:
+                    # A static space returns the trial's params as they are, so the fixed
+                    # values are the trial: no Optuna trial to run (each costs more as the
+                    # in-memory study fills, quadratic in the space's size).
+                    out: Mapping[str, Any] | None = trial_params
+                else:
+                    result = prober.run(trial_params)
+                    out = None if result is None else result[2]
+                if out is None:
                     return _Digest(base)
                 try:
-                    return _Digest(signature(result[2]))
+                    return _Digest(signature(out))
                 except Exception:  # a value the model rejects says nothing about sharing an array
                     return _Digest(base)
 
