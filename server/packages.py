@@ -12,7 +12,7 @@ The control plane never imports or unpickles anything of a package. It checks wh
 check as data (:func:`check_package`): the digest, the limits the operator sets (bytes,
 entries, bytes unpacked: a zip bomb is refused from its declared sizes, and every entry is
 read back no further than those, its CRC checked), safe entry names (relative, no ``..``, no
-symlinks, nothing encrypted, no duplicates) and the manifest, parsed by the models below.
+symlinks, nothing encrypted, no two entries unpacking onto one path) and the manifest, parsed by the models below.
 It keeps the zip in the artifact store at ``packages/<digest>.zip`` (:func:`package_key`),
 where every node reaches it, and records which tenant uploaded it in ``ft_packages``: a
 tenant may use only the packages it uploaded itself, and the same bytes uploaded by two
@@ -27,6 +27,7 @@ import hashlib
 import io
 import re
 import stat
+import unicodedata
 import zipfile
 from dataclasses import dataclass
 from datetime import datetime
@@ -308,15 +309,12 @@ def _check_entries(infos: list[zipfile.ZipInfo], limits: Limits) -> int:
             "FUSETUNE_PACKAGE_MAX_FILES",
             f"the package holds {len(infos)} entries, more than FUSETUNE_PACKAGE_MAX_FILES={limits.max_files}",
         )
-    seen: set[str] = set()
+    places = _Places()
     unpacked = 0
     for info in infos:
-        problem = _entry_problem(info)
-        if problem is None and info.filename in seen:
-            problem = "it is in the zip twice"
+        problem = _entry_problem(info) or places.take(info)
         if problem is not None:
             raise Invalid((info.filename,), f"the package's entry {info.filename!r} is refused: {problem}")
-        seen.add(info.filename)
         unpacked += info.file_size
         if unpacked > limits.max_unpacked_bytes:
             raise TooLarge(
@@ -324,6 +322,48 @@ def _check_entries(infos: list[zipfile.ZipInfo], limits: Limits) -> int:
                 f"the package's files take more than FUSETUNE_PACKAGE_MAX_UNPACKED_BYTES={limits.max_unpacked_bytes} bytes unpacked",
             )
     return sum(1 for info in infos if not info.is_dir())
+
+
+class _Places:
+    """Where the entries unpack: two entries that would land on one path are refused.
+
+    Not only the same name twice: a file and a folder of one name (``x`` and ``x/``, or ``x``
+    and ``x/y``), and names that one filesystem keeps apart and another does not: case
+    (``A.py``, ``a.py`` on macOS or Windows) and Unicode normalisation (``café`` composed or
+    decomposed). Which of the two a worker's unpacking would keep is up to its filesystem.
+    """
+
+    def __init__(self) -> None:
+        self.files: dict[str, str] = {}
+        self.folders: dict[str, str] = {}  # named ones and the parents of every entry
+
+    @staticmethod
+    def _key(path: str) -> str:
+        return unicodedata.normalize("NFC", path).casefold()
+
+    def take(self, info: zipfile.ZipInfo) -> str | None:
+        """Why ``info`` collides with an entry taken before, or None (then it is taken)."""
+        parts = info.filename.rstrip("/").split("/")
+        key = self._key("/".join(parts))
+        if info.is_dir():
+            if key in self.files:
+                return f"it is a folder where the entry {self.files[key]!r} is a file"
+            if self.folders.get(key, "").endswith("/"):  # named before, not only a parent
+                return f"it is the folder {self.folders[key]!r} again"
+        elif key in self.files:
+            return f"it unpacks where the entry {self.files[key]!r} does (a name twice, or one differing only in case or Unicode form)"
+        elif key in self.folders:
+            return f"it is a file where {self.folders[key]!r} is a folder"
+        for i in range(1, len(parts)):
+            parent = self._key("/".join(parts[:i]))
+            if parent in self.files:
+                return f"its folder {'/'.join(parts[:i])!r} is the entry {self.files[parent]!r}, a file"
+            self.folders.setdefault(parent, "/".join(parts[:i]))
+        if info.is_dir():
+            self.folders[key] = info.filename
+        else:
+            self.files[key] = info.filename
+        return None
 
 
 def _entry_problem(info: zipfile.ZipInfo) -> str | None:

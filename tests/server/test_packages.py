@@ -116,8 +116,17 @@ def test_a_package_over_a_limit_is_a_413_naming_the_setting(uploader: httpx.Clie
         (package(search_space={}), "search_space"),
         (package(workload={**WORKLOAD, "metric_name": "f1"}), "metric_name"),
         (b"not a zip at all", "zip"),
+        # Two entries that unpack onto one path: which one a worker keeps is its filesystem's choice.
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "x": b"", "x/": b""}), "a folder where the entry 'x' is a file"),
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "x": b"", "x/y.py": b""}), "its folder 'x' is the entry 'x'"),
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "Net.py": b"", "net.py": b""}), "differing only in case"),
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "caf\u00e9.py": b"", "cafe\u0301.py": b""}), "Unicode form"),
+        (zipped({"fusetune.json": json.dumps(manifest()).encode(), "fusetune.json/": b""}), "fusetune.json/"),
     ],
-    ids=["dotdot", "absolute", "symlink", "no-manifest", "no-entry", "pip-option", "empty-space", "unknown-metric", "not-zip"],
+    ids=[
+        "dotdot", "absolute", "symlink", "no-manifest", "no-entry", "pip-option", "empty-space", "unknown-metric", "not-zip",
+        "file-and-folder", "file-under-file", "case", "unicode-form", "manifest-folder",
+    ],
 )
 def test_what_a_package_holds_is_checked_as_data_with_422s_naming_it(uploader: httpx.Client, data: bytes, named: str) -> None:
     response = put(uploader, data)
