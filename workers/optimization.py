@@ -190,27 +190,31 @@ def _layer(
         values[key] = value
 
 
+#: What torch raises for arguments it cannot use (a step of 0 divides by it).
+_REJECTED = (TypeError, ValueError, RuntimeError, ArithmeticError)
+
+
 def _blame(build: Callable[[dict[str, Any]], Any], values: Mapping[str, Any], defaults: Mapping[str, Any], whole: str) -> None:
     """Build with ``values``; when torch rejects them, raise :class:`OptionError` naming the
     argument that alone makes it fail (else ``whole``), with torch's message."""
     try:
         build(dict(values))
         return
-    except (TypeError, ValueError, RuntimeError) as exc:
+    except _REJECTED as exc:
         error = exc
     required = {k: v for k, v in values.items() if defaults.get(k, _REQUIRED) is _REQUIRED}
     optional = {k: d for k, d in defaults.items() if d is not _REQUIRED and k in values}
     culprit = whole
     try:
         build({**optional, **required})
-    except (TypeError, ValueError, RuntimeError):
+    except _REJECTED:
         culprit = next(iter(required)) if len(required) == 1 else whole
     else:
         for key, value in values.items():
             if key in optional and value != optional[key]:
                 try:
                     build({**optional, **required, key: value})
-                except (TypeError, ValueError, RuntimeError):
+                except _REJECTED:
                     culprit = key
                     break
     raise OptionError(culprit, f"{culprit}: {error}") from error
@@ -239,7 +243,14 @@ def _check_lr_scheduler(name: str, kwargs: Mapping[str, Any], recipe: Recipe | N
 
     def build(values: dict[str, Any]) -> None:
         opt = recipe.torch_optimizer([_dummy_parameter()]) if recipe else torch.optim.SGD([_dummy_parameter()], lr=0.1)
-        torch_cls(opt, **values)
+        scheduler = torch_cls(opt, **values)
+        # Constructors check little (StepLR takes step_size=0): a step past the first, as the
+        # first epoch makes, raises what training would (ZeroDivisionError there).
+        opt.step()
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step(0.0)
+        else:
+            scheduler.step()
 
     _blame(build, kwargs, defaults, "lr_scheduler")
 

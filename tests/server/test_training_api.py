@@ -81,6 +81,8 @@ def _space(**distributions: optuna.distributions.BaseDistribution) -> dict[str, 
         ({"lr_scheduler": {"name": "LambdaLR"}}, ["body", "lr_scheduler", "name"], "LambdaLR"),  # takes a function
         ({"lr_scheduler": {"name": "StepLR", "kwargs": {"step_sise": 2}}}, ["body", "lr_scheduler", "kwargs", "step_sise"], "step_sise"),
         ({"lr_scheduler": {"name": "LinearLR", "kwargs": {"start_factor": 2.0}}}, ["body", "lr_scheduler", "kwargs", "start_factor"], "start_factor"),
+        # Accepted by StepLR's constructor, a division by zero at its second step.
+        ({"lr_scheduler": {"name": "StepLR", "kwargs": {"step_size": 0}}}, ["body", "lr_scheduler", "kwargs", "step_size"], "step_size"),
         ({"warmup_epochs": -1}, ["body", "warmup_epochs"], "warmup_epochs"),
         ({"max_norm": 0}, ["body", "max_norm"], "max_norm"),
         ({"metrics": ["accuracy", "recall"]}, ["body", "metrics", 1], "recall"),
