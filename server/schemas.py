@@ -61,6 +61,17 @@ WARNINGS_ATTR = "fusetune:warnings"
 MAX_SEARCH_SPACE_PARAMS = 256
 
 
+#: The most bytes, as JSON, of one study's or one trial's user attrs. Each read of a study or a
+#: trial carries them, and a page holds up to 1,000: without a bound one tenant's attrs made
+#: answers of a gigabyte, built in the server's memory that every tenant shares.
+MAX_USER_ATTRS_BYTES = 64 * 1024
+
+
+def user_attrs_bytes(attrs: Mapping[str, Any]) -> int:
+    """The size of ``attrs`` as the service stores and answers them (compact JSON, UTF-8)."""
+    return len(json.dumps(attrs, separators=(",", ":"), ensure_ascii=False).encode())
+
+
 def parse_search_space(
     space: Mapping[str, str | dict[str, Any]],
 ) -> dict[str, optuna.distributions.BaseDistribution]:
@@ -489,7 +500,18 @@ class TrialEnqueue(BaseModel):
     params: Annotated[dict[str, Any], NoNulKeys] = Field(
         description="Fixed params; any the search space suggests besides are sampled.", json_schema_extra=NO_NUL_KEYS
     )
-    user_attrs: Annotated[dict[str, Any], NoNulKeys] = Field(default_factory=dict, json_schema_extra=NO_NUL_KEYS)
+    user_attrs: Annotated[dict[str, Any], NoNulKeys] = Field(
+        default_factory=dict, json_schema_extra=NO_NUL_KEYS,
+        description=f"The trial's user attrs: at most {MAX_USER_ATTRS_BYTES} bytes as JSON.",
+    )
+
+    @field_validator("user_attrs")
+    @classmethod
+    def _bounded(cls, attrs: dict[str, Any]) -> dict[str, Any]:
+        size = user_attrs_bytes(attrs)
+        if size > MAX_USER_ATTRS_BYTES:
+            raise ValueError(f"the user attrs take {size} bytes as JSON, more than {MAX_USER_ATTRS_BYTES}")
+        return attrs
 
 
 class PruningDecision(BaseModel):

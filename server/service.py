@@ -28,6 +28,7 @@ from fusetune.server.pagination import Page, PageParams
 from fusetune.server.quotas import check_running_quota, check_trials_quota, lock_tenant
 from fusetune.server.schemas import (
     FAILURE_ATTR,
+    MAX_USER_ATTRS_BYTES,
     WARNINGS_ATTR,
     ArrayOut,
     Objectives,
@@ -37,6 +38,7 @@ from fusetune.server.schemas import (
     StudyUpdate,
     TrialEnqueue,
     TrialOut,
+    user_attrs_bytes,
 )
 from fusetune.server.settings import Settings, get_settings
 from fusetune.workers.spec import TrainingSpec
@@ -340,9 +342,14 @@ def trial_state_dict(
 def set_study_user_attr(
     session: Session, url: str, study_id: int, key: str, value: Any, *, as_tenant: str | None = None
 ) -> StudyOut:
-    """Optuna's ``study.set_user_attr``, on the service's study."""
+    """Optuna's ``study.set_user_attr``, on the service's study; 422 past MAX_USER_ATTRS_BYTES."""
     study = _study(session, study_id, as_tenant)
-    get_optuna_storage(url).set_study_user_attr(study.optuna_study_id, key, value)
+    storage = get_optuna_storage(url)
+    attrs = {**storage.get_study_user_attrs(study.optuna_study_id), key: value}
+    size = user_attrs_bytes(attrs)
+    if size > MAX_USER_ATTRS_BYTES:
+        raise Invalid("value", f"the study's user attrs would take {size} bytes as JSON, more than {MAX_USER_ATTRS_BYTES}")
+    storage.set_study_user_attr(study.optuna_study_id, key, value)
     return _study_out(session, url, study)
 
 

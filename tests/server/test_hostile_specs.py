@@ -145,6 +145,26 @@ def test_a_search_space_past_its_cap_is_a_422_naming_it(api: httpx.Client) -> No
     assert response.status_code == 201, response.text
 
 
+def test_user_attrs_past_their_bound_are_a_422_and_nothing_is_stored(api: httpx.Client) -> None:
+    """A study's or a trial's user attrs come back in every read of it, and a page holds 1,000
+    trials: attrs of a mebibyte each made gigabyte answers. Each object's attrs are bounded."""
+    from fusetune.server.schemas import MAX_USER_ATTRS_BYTES
+
+    study = api.post("/api/v1/studies", json={**VALID, "driver": "client"}).json()
+    half = "x" * (MAX_USER_ATTRS_BYTES // 2)
+    assert api.put(f"/api/v1/studies/{study['id']}/user_attrs/a", json={"value": half}).status_code == 200
+    refused = api.put(f"/api/v1/studies/{study['id']}/user_attrs/b", json={"value": half})
+    assert refused.status_code == 422 and _locs(refused) == [["body", "value"]], refused.text
+    assert str(MAX_USER_ATTRS_BYTES) in refused.text
+    assert api.get(f"/api/v1/studies/{study['id']}").json()["user_attrs"] == {"a": half}
+    # Replacing a value counts it once.
+    assert api.put(f"/api/v1/studies/{study['id']}/user_attrs/a", json={"value": half + "y"}).status_code == 200
+    # A trial's, given when it is enqueued: refused before the trial is asked.
+    big = {"note": "x" * (MAX_USER_ATTRS_BYTES + 1)}
+    refused = api.post(f"/api/v1/studies/{study['id']}/trials", json={"params": {}, "user_attrs": big})
+    assert refused.status_code == 422 and _locs(refused) == [["body", "user_attrs"]], refused.text
+
+
 def test_samplers_and_pruners_within_the_caps_are_created(api: httpx.Client) -> None:
     specs = [
         {"sampler": {"name": "GridSampler", "kwargs": {"search_space": {"hidden": [32, 64], "lr": [0.01, 0.1]}}}},
