@@ -9,6 +9,7 @@ Python's ``json.loads``, which FastAPI parses bodies with, reads more than JSON:
   every answer that reads it back a 500 (one tenant's study name broke the admin's listing).
 * the same key twice in an object, the last one winning, where RFC 8259 leaves it undefined
   and another parser may keep the first: the request would mean two things.
+* bytes in UTF-16 or UTF-32, which it guesses from the first bytes; RFC 8259 asks for UTF-8.
 
 So a body with any of these is a 422 naming where it is (``loc``), before a route sees it.
 The routes get the parsed body from this request class (:class:`StrictJSONRequest`), which
@@ -94,7 +95,16 @@ class StrictJSONRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            body = json.loads(await self.body(), object_pairs_hook=_object)  # JSONDecodeError: FastAPI's own 422
+            try:
+                # RFC 8259: JSON between systems is UTF-8 (a BOM may be ignored). Python's parser
+                # would also guess UTF-16 and UTF-32; bytes that are no UTF-8 were a 400 naming nothing.
+                text = (await self.body()).decode("utf-8-sig")
+            except UnicodeDecodeError as exc:
+                raise HTTPException(
+                    status.HTTP_422_UNPROCESSABLE_CONTENT,
+                    [{"loc": ["body"], "msg": f"the body is not UTF-8 text: {exc.reason} at byte {exc.start}", "type": "utf8"}],
+                ) from None
+            body = json.loads(text, object_pairs_hook=_object)  # JSONDecodeError: FastAPI's own 422
             try:
                 _check(body)
             except _Refused as refused:

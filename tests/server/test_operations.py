@@ -143,6 +143,16 @@ def test_a_body_with_what_json_lacks_is_422_naming_the_field(api: httpx.Client, 
     assert response.status_code == 201 and response.json()["max_norm"] == 1000.0, response.text
 
 
+def test_a_body_that_is_not_utf8_is_422_and_a_bom_is_ignored(api: httpx.Client, database_url: str) -> None:
+    for raw in (b'{"workload": "digits-mlp", "n_trials": 4, "name": "caf\xe9"}', json.dumps(STUDY).encode("utf-16")):
+        response = api.post("/api/v1/studies", content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body"], response.text
+        assert "not UTF-8" in response.text
+    assert study_rows(database_url) == 0
+    response = api.post("/api/v1/studies", content=b"\xef\xbb\xbf" + json.dumps(STUDY).encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 201, response.text
+
+
 @pytest.mark.parametrize("bad", [2**31, 2**63, 99999999999999999999, 0, -1])
 def test_ids_past_the_databases_integers_are_422_naming_them(api: httpx.Client, bad: int) -> None:
     for template, name in [
