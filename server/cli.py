@@ -95,7 +95,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         with (open(args.file) if args.file != "-" else contextlib.nullcontext(sys.stdin)) as f:
             body = json.load(f)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError: not text at all
         print(f"{'stdin' if args.file == '-' else args.file} is not JSON: {exc}", file=sys.stderr)
         return 2
     with Client(args.url, token=args.token) as client:
@@ -331,9 +331,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # Stopped by SIGTERM (kill, a container's stop) as by Ctrl-C: the server and its loop stop
     # below, where Ray's handler, which ray.init just installed, would end the process as it stands.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    server = BackgroundServer(settings).start()
+    server: BackgroundServer | None = None
     assert settings.admin_token is not None  # made up above when the environment set none
     try:
+        server = BackgroundServer(settings).start()
         with Client(server.url, token=settings.admin_token.get_secret_value()) as admin:
             token = _local_tenant_token(admin)
         print(f"tenant 'default', its token (shown once; also in the summary below):\n  export FUSETUNE_URL={server.url} FUSETUNE_TOKEN={token}")
@@ -378,7 +379,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 def _local_tenant_token(admin: Client) -> str:

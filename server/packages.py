@@ -45,7 +45,7 @@ from fusetune.server.db import Tenant
 from fusetune.server.db.models import Package
 from fusetune.server.distributions import SearchSpaceEntry
 from fusetune.server.errors import Forbidden, Invalid, NotFound, TooLarge
-from fusetune.server.schemas import DIGEST_PATTERN, parse_search_space, training_choice_error
+from fusetune.server.schemas import DIGEST_PATTERN, MAX_SEARCH_SPACE_PARAMS, parse_search_space, training_choice_error
 from fusetune.server.settings import Settings, artifact_uri
 from fusetune.server.wire import NO_NUL_KEYS, NoNul, NoNulKeys
 from fusetune.workers.optimization import OptionError, lr_scheduler_name, optimizer_name
@@ -154,8 +154,9 @@ class Manifest(BaseModel):
     pickle: str | None = Field(None, min_length=1, max_length=255, description="A cloudpickled Workload in the package.")
     workload: WorkloadInfo
     search_space: Annotated[dict[str, SearchSpaceEntry], NoNulKeys] = Field(
-        min_length=1, max_length=1024, json_schema_extra=NO_NUL_KEYS,
-        description="The workload's search space as static distributions (Optuna's distribution JSON).",
+        min_length=1, max_length=MAX_SEARCH_SPACE_PARAMS, json_schema_extra=NO_NUL_KEYS,
+        description="The workload's search space as static distributions (Optuna's distribution JSON); "
+        "a study of the package without a search_space of its own takes it, so it has the same cap.",
     )
     requirements: list[Annotated[NoNul, Field(min_length=1, max_length=512)]] = Field(default_factory=list, max_length=256)
     python: str = Field(pattern=r"^3\.[0-9]{1,2}$")
@@ -339,7 +340,9 @@ class _Places:
 
     @staticmethod
     def _key(path: str) -> str:
-        return unicodedata.normalize("NFC", path).casefold()
+        # Simple case mapping, as case-insensitive filesystems compare (APFS, NTFS): casefold()
+        # would also merge "straße" and "strasse", which none of them does.
+        return unicodedata.normalize("NFC", path).lower()
 
     def take(self, info: zipfile.ZipInfo) -> str | None:
         """Why ``info`` collides with an entry taken before, or None (then it is taken)."""

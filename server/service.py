@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -339,17 +340,30 @@ def trial_state_dict(
     return path
 
 
+#: Writers of a study's user attrs in this process, one at a time (see set_study_user_attr).
+_USER_ATTRS_WRITES = threading.Lock()
+
+
 def set_study_user_attr(
     session: Session, url: str, study_id: int, key: str, value: Any, *, as_tenant: str | None = None
 ) -> StudyOut:
-    """Optuna's ``study.set_user_attr``, on the service's study; 422 past MAX_USER_ATTRS_BYTES."""
+    """Optuna's ``study.set_user_attr``, on the service's study; 422 past MAX_USER_ATTRS_BYTES.
+
+    The bound holds for concurrent writers too: they take turns from the read to the write, in
+    this process by a lock, across PostgreSQL servers by the study's row (``FOR UPDATE``, held
+    to the end of the request; Optuna writes its own tables through its own connection). On
+    SQLite a row lock would be the database's one write lock, which Optuna's write then waits for.
+    """
     study = _study(session, study_id, as_tenant)
     storage = get_optuna_storage(url)
-    attrs = {**storage.get_study_user_attrs(study.optuna_study_id), key: value}
-    size = user_attrs_bytes(attrs)
-    if size > MAX_USER_ATTRS_BYTES:
-        raise Invalid("value", f"the study's user attrs would take {size} bytes as JSON, more than {MAX_USER_ATTRS_BYTES}")
-    storage.set_study_user_attr(study.optuna_study_id, key, value)
+    with _USER_ATTRS_WRITES:
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(select(Study.id).where(Study.id == study.id).with_for_update())
+        attrs = {**storage.get_study_user_attrs(study.optuna_study_id), key: value}
+        size = user_attrs_bytes(attrs)
+        if size > MAX_USER_ATTRS_BYTES:
+            raise Invalid("value", f"the study's user attrs would take {size} bytes as JSON, more than {MAX_USER_ATTRS_BYTES}")
+        storage.set_study_user_attr(study.optuna_study_id, key, value)
     return _study_out(session, url, study)
 
 

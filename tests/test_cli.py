@@ -312,11 +312,13 @@ def test_a_users_slips_are_one_line_each_not_a_traceback(
     slips = [
         (["submit", str(tmp_path / "missing.json")], "No such file or directory"),
         (["submit", str(tmp_path / "bad.json")], "bad.json is not JSON"),
+        (["submit", str(tmp_path / "code.zip")], "code.zip is not JSON"),  # not even text
         (["status", "--url", f"http://127.0.0.1:{free_port()}"], "cannot reach the service"),  # nothing listens there
         (["status", "--url", "127.0.0.1:8000"], "protocol"),
         (["tenants", "create", "acme", "--database-url", f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}"], "cannot use the database"),
     ]
     (tmp_path / "bad.json").write_text("{workload: digits-mlp}")
+    (tmp_path / "code.zip").write_bytes(b"PK\x03\x04\xff\xfe\x00")
     monkeypatch.setenv("FUSETUNE_TOKEN", "ft_whatever")
     for argv, says in slips:
         assert main(argv) == 2, argv

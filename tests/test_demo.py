@@ -33,12 +33,13 @@ def test_demo_sweep(ray_cluster: str, tmp_path: Path) -> None:
         env.pop(leftover, None)
     # As `make run` runs it: the sweep, then serving until stopped; stopped here by SIGTERM
     # (kill, a container's stop), which ends it as Ctrl-C does.
+    stderr = (tmp_path / "demo.err").open("w+")  # a file: a pipe nobody reads could fill and stop it
     demo = subprocess.Popen(
         [sys.executable, "-m", "fusetune.server.cli", "demo", "--timeout", "290"],
         cwd=tmp_path,
         env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
     assert demo.stdout is not None
@@ -48,8 +49,11 @@ def test_demo_sweep(ray_cluster: str, tmp_path: Path) -> None:
         if line.startswith("serving until interrupted"):
             demo.send_signal(signal.SIGTERM)
             break
-    rest, err = demo.communicate(timeout=120)
+    rest, _ = demo.communicate(timeout=120)
     out = "".join(lines) + rest
+    stderr.seek(0)
+    err = stderr.read()
+    stderr.close()
     assert demo.returncode == 0, out + err
     assert "SIGTERM received" not in err, err
 

@@ -115,7 +115,7 @@ class SessionRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def strict(request: Request) -> Response:
-            return await handler(StrictJSONRequest(request.scope, request.receive))
+            return await handler(StrictJSONRequest(request.scope, request.receive, request._send))
 
         return strict
 

@@ -7,81 +7,75 @@ Python's ``json.loads``, which FastAPI parses bodies with, reads more than JSON:
   which cannot be written back as JSON (a 500), and an accepted one was stored as ``null``.
 * a lone UTF-16 surrogate escape (``"\\ud800"``), a string no UTF-8 encodes: stored, it made
   every answer that reads it back a 500 (one tenant's study name broke the admin's listing).
-* the same key twice in an object, the last one winning, where RFC 8259 leaves it undefined
-  and another parser may keep the first: the request would mean two things.
 * bytes in UTF-16 or UTF-32, which it guesses from the first bytes; RFC 8259 asks for UTF-8.
 
 So a body with any of these is a 422 naming where it is (``loc``), before a route sees it.
 The routes get the parsed body from this request class (:class:`StrictJSONRequest`), which
-FastAPI's own body handling then uses.
+FastAPI's own body handling then uses. A key given twice in one object is left as Python
+(and JavaScript's ``JSON.parse``) read it: the last one counts.
+
+This runs on every body, before the route authenticates, so the check itself is C's: the
+parsed body is written back once with ``json.dumps(allow_nan=False)`` and encoded as UTF-8,
+as an answer would be (about what parsing it cost). Only a body that fails is walked, once,
+to name the place.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 from fastapi import HTTPException, Request, status
 
-#: A UTF-16 surrogate code point, which only a ``\\u`` escape can put into a parsed string.
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
 Path = tuple[str | int, ...]
 
 
-class _Refused(Exception):
-    def __init__(self, path: Path, msg: str, kind: str) -> None:
-        super().__init__(msg)
-        self.path, self.msg, self.kind = path, msg, kind
+def _writable(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
-class _Object(dict[str, Any]):
-    """A parsed object that remembers a key it was given twice (the walk refuses it, with its path)."""
+def _where(body: Any) -> tuple[Path, str, str]:
+    """The first place, depth first in document order, that no answer could write back; its
+    message and type. Walked with a stack of (parent, key) links, not recursion nor a tuple
+    per item: a body may be as deep and as wide as the parser allows, and costs one pass."""
+    nodes: list[tuple[int, str | int]] = [(-1, "")]  # (parent node, key in it); node 0 is the body
 
-    repeated: str | None = None
+    def path(node: int) -> Path:
+        parts: list[str | int] = []
+        while node > 0:
+            parent, key = nodes[node]
+            parts.append(key)
+            node = parent
+        return tuple(reversed(parts))
 
-
-def _object(pairs: list[tuple[str, Any]]) -> _Object:
-    out = _Object()
-    for key, value in pairs:
-        if key in out and out.repeated is None:
-            out.repeated = key
-        out[key] = value
-    return out
-
-
-def _text(value: str, path: Path) -> None:
-    if _SURROGATE.search(value):
-        raise _Refused(path, "a lone UTF-16 surrogate escape is no character: the text cannot be stored", "unicode_surrogate")
-
-
-def _check(body: Any) -> None:
-    """Raise :class:`_Refused` at the first thing refused, depth first, in document order.
-
-    Walked with a stack, not recursion: a body may nest as deep as the JSON parser allows,
-    deeper than the frames left to a recursive walk inside the ASGI stack.
-    """
-    stack: list[tuple[Path, Any]] = [((), body)]
+    stack: list[tuple[int, Any]] = [(0, body)]
     while stack:
-        path, value = stack.pop()
-        if isinstance(value, float):
-            if not math.isfinite(value):
-                raise _Refused(
-                    path, f"{value} is not a JSON number: JSON has no NaN or Infinity, and numbers must fit a double",
-                    "finite_number",
-                )
-        elif isinstance(value, str):
-            _text(value, path)
-        elif isinstance(value, dict):
-            if isinstance(value, _Object) and value.repeated is not None:
-                raise _Refused((*path, value.repeated), f"the key {value.repeated!r} is given twice in one object", "duplicate_key")
+        node, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path(node), f"{value} is not a JSON number: JSON has no NaN or Infinity, and numbers must fit a double", "finite_number"
+        if isinstance(value, str) and not _writable(value):
+            return path(node), "a lone UTF-16 surrogate escape is no character: the text cannot be stored", "unicode_surrogate"
+        items: Any = ()
+        if isinstance(value, dict):
             for key in value:
-                _text(key, (*path, key))
-            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+                if not _writable(key):
+                    nodes.append((node, key))
+                    return path(len(nodes) - 1), "a lone UTF-16 surrogate escape is no character: the key cannot be stored", "unicode_surrogate"
+            items = value.items()
         elif isinstance(value, list):
-            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+            items = enumerate(value)
+        children = []
+        for key, child in items:
+            if isinstance(child, (dict, list, str, float)):
+                nodes.append((node, key))
+                children.append((len(nodes) - 1, child))
+        stack.extend(reversed(children))
+    return (), "the body cannot be written back as JSON", "json_invalid"
 
 
 def _printable(part: str | int) -> str | int:
@@ -90,8 +84,8 @@ def _printable(part: str | int) -> str | int:
 
 
 class StrictJSONRequest(Request):
-    """A request whose JSON body is refused (422, naming where) if it holds what is not JSON's
-    or not text: a non-finite number, a lone surrogate, a key given twice."""
+    """A request whose JSON body is refused (422, naming where) if it is not UTF-8 or holds
+    what JSON or UTF-8 text lacks: a non-finite number, a lone surrogate."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -104,13 +98,14 @@ class StrictJSONRequest(Request):
                     status.HTTP_422_UNPROCESSABLE_CONTENT,
                     [{"loc": ["body"], "msg": f"the body is not UTF-8 text: {exc.reason} at byte {exc.start}", "type": "utf8"}],
                 ) from None
-            body = json.loads(text, object_pairs_hook=_object)  # JSONDecodeError: FastAPI's own 422
+            body = json.loads(text)  # JSONDecodeError: FastAPI's own 422
             try:
-                _check(body)
-            except _Refused as refused:
+                json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+            except ValueError:  # a non-finite number, or (UnicodeEncodeError) a lone surrogate
+                path, msg, kind = _where(body)
                 raise HTTPException(
                     status.HTTP_422_UNPROCESSABLE_CONTENT,
-                    [{"loc": ["body", *map(_printable, refused.path)], "msg": refused.msg, "type": refused.kind}],
+                    [{"loc": ["body", *map(_printable, path)], "msg": msg, "type": kind}],
                 ) from None
             self._json = body
         return self._json

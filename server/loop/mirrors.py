@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 
 #: How long the rows of a study this process created are kept for its first mirror (adopt).
 _CREATED_TTL_S = 60.0
-#: (workload, search space) -> its non-fusible params: probed once per process, the newest
-#: _MAX_NON_FUSIBLE kept (tenants can make new spaces without end).
+#: (workload, search space) -> its non-fusible params: probed once per process, the
+#: _MAX_NON_FUSIBLE most recently used kept (tenants can make new spaces without end). Only
+#: the loop's thread reads and writes it.
 _NON_FUSIBLE: OrderedDict[tuple[str, str], frozenset[str]] = OrderedDict()
 _MAX_NON_FUSIBLE = 1024
 
@@ -95,7 +96,9 @@ def study_sampler(
                     workload, distributions=distributions, signature=lambda params: trial_signature(workload, params),
                 )
             if len(_NON_FUSIBLE) > _MAX_NON_FUSIBLE:
-                _NON_FUSIBLE.popitem(last=False)
+                _NON_FUSIBLE.popitem(last=False)  # the least recently used
+        else:
+            _NON_FUSIBLE.move_to_end(key)
         return FusionSampler(sampler, non_fusible=_NON_FUSIBLE[key], group_size=group_size(study, settings, devices))
     except ValueError as exc:
         # No probe of the space built a model: its trials will fail one by one with their

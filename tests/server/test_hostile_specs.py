@@ -159,6 +159,15 @@ def test_user_attrs_past_their_bound_are_a_422_and_nothing_is_stored(api: httpx.
     assert api.get(f"/api/v1/studies/{study['id']}").json()["user_attrs"] == {"a": half}
     # Replacing a value counts it once.
     assert api.put(f"/api/v1/studies/{study['id']}/user_attrs/a", json={"value": half + "y"}).status_code == 200
+    # Writers at once take turns: of 8 quarters past the half stored, one fits.
+    from concurrent.futures import ThreadPoolExecutor
+
+    quarter = "q" * (MAX_USER_ATTRS_BYTES // 4)
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(
+            lambda i: api.put(f"/api/v1/studies/{study['id']}/user_attrs/k{i}", json={"value": quarter}).status_code, range(8)
+        ))
+    assert sorted(codes) == [200] + [422] * 7, codes
     # A trial's, given when it is enqueued: refused before the trial is asked.
     big = {"note": "x" * (MAX_USER_ATTRS_BYTES + 1)}
     refused = api.post(f"/api/v1/studies/{study['id']}/trials", json={"params": {}, "user_attrs": big})

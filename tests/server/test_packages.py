@@ -163,3 +163,18 @@ def test_a_tenant_runs_only_packages_it_uploaded(uploader: httpx.Client, small: 
     assert rival.get(f"/api/v1/packages/{digest(data)}").status_code == 404
     refused = rival.post("/api/v1/studies", json={"workload": "my-net", "package": digest(data), "n_trials": 1})
     assert refused.status_code in (404, 422) and "package" in json.dumps(refused.json()), refused.text
+
+
+def test_a_manifests_space_has_a_studys_cap() -> None:
+    """A study of a package without a search_space takes the manifest's: the same cap holds,
+    or the scheduling loop would probe a space the study's own field refuses."""
+    import pydantic
+
+    from fusetune.server.packages import Manifest
+    from fusetune.server.schemas import MAX_SEARCH_SPACE_PARAMS
+
+    lr = SPACE["lr"]
+    Manifest.model_validate(manifest(search_space={f"p{i}": lr for i in range(MAX_SEARCH_SPACE_PARAMS)}))
+    with pytest.raises(pydantic.ValidationError) as refused:
+        Manifest.model_validate(manifest(search_space={f"p{i}": lr for i in range(MAX_SEARCH_SPACE_PARAMS + 1)}))
+    assert [e["loc"] for e in refused.value.errors()] == [("search_space",)]
