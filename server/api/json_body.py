@@ -98,7 +98,13 @@ class StrictJSONRequest(Request):
                     status.HTTP_422_UNPROCESSABLE_CONTENT,
                     [{"loc": ["body"], "msg": f"the body is not UTF-8 text: {exc.reason} at byte {exc.start}", "type": "utf8"}],
                 ) from None
-            body = json.loads(text)  # JSONDecodeError: FastAPI's own 422
+            try:
+                body = json.loads(text)  # JSONDecodeError: FastAPI's own 422
+            except RecursionError:  # nested past the parser's depth: FastAPI made it a 400 naming nothing
+                raise HTTPException(
+                    status.HTTP_422_UNPROCESSABLE_CONTENT,
+                    [{"loc": ["body"], "msg": "the body nests arrays or objects too deep to read", "type": "json_depth"}],
+                ) from None
             try:
                 json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
             except ValueError:  # a non-finite number, or (UnicodeEncodeError) a lone surrogate

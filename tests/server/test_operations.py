@@ -148,11 +148,14 @@ def test_a_key_given_twice_counts_once_the_last_as_json_parse_reads_it(api: http
     assert response.status_code == 201 and response.json()["n_trials"] == 5, response.text
 
 
-def test_a_body_that_is_not_utf8_is_422_and_a_bom_is_ignored(api: httpx.Client, database_url: str) -> None:
+def test_a_body_that_is_not_utf8_or_nests_too_deep_is_422_and_a_bom_is_ignored(api: httpx.Client, database_url: str) -> None:
     for raw in (b'{"workload": "digits-mlp", "n_trials": 4, "name": "caf\xe9"}', json.dumps(STUDY).encode("utf-16")):
         response = api.post("/api/v1/studies", content=raw, headers={"content-type": "application/json"})
         assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body"], response.text
         assert "not UTF-8" in response.text
+    # Nested past what the parser reads (a thousand levels): refused as the body, not a 400.
+    response = api.post("/api/v1/studies", content=b"[" * 5000 + b"]" * 5000, headers={"content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body"], response.text
     assert study_rows(database_url) == 0
     response = api.post("/api/v1/studies", content=b"\xef\xbb\xbf" + json.dumps(STUDY).encode(), headers={"content-type": "application/json"})
     assert response.status_code == 201, response.text
