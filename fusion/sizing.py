@@ -35,9 +35,10 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -52,6 +53,10 @@ from ._model import FusedModel, fuse
 from .nn import TWINS
 
 OptimizerName = str
+
+#: The fraction of a device's memory that sizing keeps free by default: what the process, the
+#: data and allocator fragmentation take beyond what a memory model counts.
+HEADROOM = 0.2
 
 _TORCH_OPT = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 _FUSED_OPT = {"sgd": fused_optim.SGD, "adam": fused_optim.Adam, "adamw": fused_optim.AdamW}
@@ -197,6 +202,37 @@ class _Array:
             loss = per_member_loss(self.loss_fn, self.fused(self.x), self.y).sum()
         loss.backward()
         return total[0]
+
+
+@dataclass(frozen=True)
+class MemberBytes:
+    """What one member's tensors take, grouped by how training multiplies them.
+
+    Only shapes and dtypes are read (:meth:`of`), so the model may live on the meta device: a
+    model too large for any device is found without allocating it.
+    """
+
+    #: Parameters that train: each gets a gradient and the optimizer's state.
+    trainable: int
+    #: Frozen parameters and buffers.
+    fixed: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> MemberBytes:
+        params = list(model.parameters())  # a tied weight once, as it trains
+        return cls(
+            trainable=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+            fixed=sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+            + sum(b.numel() * b.element_size() for b in model.buffers()),
+        )
+
+    def least_to_train(self, optimizer: type[fused_optim.FusedOptimizer],
+                       settings: Mapping[str, Any] = MappingProxyType({})) -> int:
+        """A floor of the bytes the member needs to train with ``optimizer`` and its ``settings``
+        (torch's argument names): its tensors, the gradients and the optimizer's state
+        (``FusedOptimizer.state_tensors``); the activations of a step come on top, and an
+        array of B such members needs at least B times this."""
+        return self.trainable * (2 + optimizer.state_tensors(settings)) + self.fixed
 
 
 def _measure_bytes(array: _Array, device: torch.device) -> int:
@@ -392,7 +428,7 @@ def size_array(
     lr: float = 1e-3,
     candidates: Sequence[int] = (1, 2, 4, 8, 16),
     memory_limit: int | None = None,
-    headroom: float = 0.2,
+    headroom: float = HEADROOM,
     steps: int = 2,
     rounds: int = 5,
     min_gain: float = 1.05,

@@ -120,8 +120,9 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="Memory budget of each worker's arrays, in bytes: arrays are sized by the fusion "
-        "engine's memory model (bytes(B) = base + B * member, fusion/sizing.py) to fit it. Unset: the "
-        "device's memory, and on CUDA an array that runs out of memory is split in halves and retried.",
+        "engine's memory model (bytes(B) = base + B * member, fusion/sizing.py) to fit it, and a trial "
+        "whose model needs more than it to train fails when asked. Unset: the device's memory, and on "
+        "CUDA an array that runs out of memory is split in halves and retried.",
     )
     max_array_size: int = Field(
         64,

@@ -16,14 +16,15 @@ from typing import Any
 
 from fusetune.workers.memory import array_memory_model
 from fusetune.workers.package import package_workload
-from fusetune.workers.signature import trial_signature, unused_params
+from fusetune.workers.signature import trial_model, trial_signature, unused_params
 from fusetune.workers.spec import TrainingSpec
 
 __all__ = ["PackageDescriber", "Described"]
 
 #: One trial as described: its signature ("" when its model could not be built), the error
-#: that stopped it, and the params that neither its model nor its recipe read.
-Described = tuple[str, str | None, list[str]]
+#: that stopped it, the params that neither its model nor its recipe read, and the least
+#: bytes one member needs to train (``TrialModel.least_bytes``; 0 when unbuilt).
+Described = tuple[str, str | None, list[str], int]
 
 
 class PackageDescriber:
@@ -38,17 +39,17 @@ class PackageDescriber:
         return package_workload(self.digest).name
 
     def describe(self, params: Sequence[Mapping[str, Any]], training: TrainingSpec | None) -> list[Described]:
-        """Each trial's signature (``workers.signature.trial_signature``), or the error its
-        model's factory raised, and its unused params."""
+        """Each trial's signature and memory floor (``workers.signature.trial_model``), or the
+        error its model's factory raised, and its unused params."""
         workload = package_workload(self.digest)
         out: list[Described] = []
         for p in params:
             try:
-                signature = trial_signature(workload, p, training)
+                model = trial_model(workload, p, training)
             except Exception as exc:  # the workload's model rejected these params
-                out.append(("", f"{type(exc).__name__}: {exc}", []))
+                out.append(("", f"{type(exc).__name__}: {exc}", [], 0))
                 continue
-            out.append((signature, None, unused_params(workload, p, training)))
+            out.append((model.signature, None, unused_params(workload, p, training), model.least_bytes))
         return out
 
     def non_fusible(self, distributions: Mapping[str, Any]) -> frozenset[str] | str:

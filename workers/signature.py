@@ -31,19 +31,23 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
 from fusetune.fusion import layout as fusion_layout
-from fusetune.workers.optimization import resolve
+from fusetune.fusion.sizing import MemberBytes
+from fusetune.workers.optimization import OPTIMIZERS, resolve
 from fusetune.workers.spec import TrainingSpec
 
 if TYPE_CHECKING:
     from fusetune.workers.workloads import Workload
 
-__all__ = ["Signature", "array_settings", "canonical_json", "fusible_params", "shape_signature", "trial_signature", "unused_params"]
+__all__ = [
+    "Signature", "TrialModel", "array_settings", "canonical_json", "fusible_params", "shape_signature", "trial_model",
+    "trial_signature", "unused_params",
+]
 
 _DIGEST_HEX_CHARS = 16  # 64 bits: collisions are negligible for the signatures one service sees
 
@@ -207,6 +211,7 @@ def fusible_params(
 
 
 _ABSENT = object()  # a param the factory looked up and did not find (it used its default)
+_Built = tuple[str, MemberBytes]  # a model's shape signature and its tensors' sizes
 _MAX_MEMO = 4096  # entries kept per (workload, settings): a guard against unbounded spaces
 
 
@@ -270,29 +275,39 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class _Memo:
-    """Signatures already built, per (workload, array settings): ``(params read, digest)`` pairs."""
+    """Trials' models already built, per (workload, array settings): ``(params read, (digest, sizes))`` pairs."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[tuple[Any, str], list[tuple[tuple[tuple[str, Any], ...], str]]] = {}
+        self._entries: dict[tuple[Any, str], list[tuple[tuple[tuple[str, Any], ...], _Built]]] = {}
 
-    def get(self, key: tuple[Any, str], params: Mapping[str, Any]) -> str | None:
+    def get(self, key: tuple[Any, str], params: Mapping[str, Any]) -> _Built | None:
         with self._lock:
             entries = list(self._entries.get(key, ()))
-        for read, digest in entries:
+        for read, built in entries:
             if all(_same(params.get(k, _ABSENT), v) for k, v in read):
-                return digest
+                return built
         return None
 
-    def put(self, key: tuple[Any, str], read: Mapping[str, Any], digest: str) -> None:
+    def put(self, key: tuple[Any, str], read: Mapping[str, Any], built: _Built) -> None:
         with self._lock:
             entries = self._entries.setdefault(key, [])
             if len(entries) >= _MAX_MEMO:
                 entries.clear()
-            entries.append((tuple(read.items()), digest))
+            entries.append((tuple(read.items()), built))
 
 
 _memo = _Memo()
+
+
+class TrialModel(NamedTuple):
+    """What the control plane learns of a trial's model by building it on the meta device."""
+
+    #: The trial's fusion key: its model's shape signature and its array settings.
+    signature: str
+    #: A floor of the bytes one member needs to train with the trial's optimizer and its
+    #: settings (``fusion.sizing.MemberBytes``): a trial whose floor no worker has cannot train.
+    least_bytes: int
 
 
 def trial_signature(workload: Workload, params: Mapping[str, Any], training: TrainingSpec | None = None) -> str:
@@ -300,12 +315,25 @@ def trial_signature(workload: Workload, params: Mapping[str, Any], training: Tra
 
     Memoised by the params the workload's ``build_model`` read (see the module docstring).
     """
+    return _built(workload, params, training)[0]
+
+
+def trial_model(workload: Workload, params: Mapping[str, Any], training: TrainingSpec | None = None) -> TrialModel:
+    """A trial's signature and the least memory one of its members trains in (:class:`TrialModel`),
+    from its model built on the meta device (memoised as :func:`trial_signature` is)."""
+    digest, sizes = _built(workload, params, training)
+    recipe = resolve(workload, training, params)
+    optimizer = OPTIMIZERS[recipe.optimizer]
+    return TrialModel(digest, sizes.least_to_train(optimizer, {**recipe.options, **recipe.hparams}))
+
+
+def _built(workload: Workload, params: Mapping[str, Any], training: TrainingSpec | None) -> _Built:
     settings = array_settings(workload, params, training)
     # The factory itself, not the workload's name: a name registered again is another model.
     key = (workload.build_model, json.dumps(settings, sort_keys=True, default=repr))
-    digest = _memo.get(key, params)
-    if digest is not None:
-        return digest
+    known = _memo.get(key, params)
+    if known is not None:
+        return known
     reads = _Reads(params)
     try:
         with torch.device("meta"):
@@ -315,10 +343,10 @@ def trial_signature(workload: Workload, params: Mapping[str, Any], training: Tra
         # again from the params themselves, unmemoised, so its own error is the one raised.
         with torch.device("meta"):
             model = workload.build_model(params)
-        return shape_signature(model, settings).digest
-    digest = shape_signature(model, settings).digest
-    _memo.put(key, reads.read, digest)
-    return digest
+        return shape_signature(model, settings).digest, MemberBytes.of(model)
+    built = shape_signature(model, settings).digest, MemberBytes.of(model)
+    _memo.put(key, reads.read, built)
+    return built
 
 
 def unused_params(workload: Workload, params: Mapping[str, Any], training: TrainingSpec | None = None) -> list[str]:

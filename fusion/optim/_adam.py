@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,10 @@ class Adam(FusedOptimizer):
     nonnegative_hparams = member_hparams
     pair_hparams = ("betas",)
     _decoupled = False
+
+    @classmethod
+    def state_tensors(cls, settings: Mapping[str, Any]) -> int:
+        return 3 if settings.get("amsgrad", False) else 2  # the moments, and AMSGrad's maximum
 
     def __init__(
         self,

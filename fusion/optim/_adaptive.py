@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,11 @@ class RMSprop(FusedOptimizer):
 
     member_hparams = ("lr", "alpha", "eps", "weight_decay", "momentum")
     nonnegative_hparams = ("lr", "eps", "momentum", "weight_decay", "alpha")
+
+    @classmethod
+    def state_tensors(cls, settings: Mapping[str, Any]) -> int:
+        # square_avg, the momentum buffer and the centered variant's grad_avg
+        return 1 + bool(settings.get("momentum", 0)) + bool(settings.get("centered", False))
 
     def __init__(
         self,
@@ -85,6 +90,10 @@ class Adagrad(FusedOptimizer):
     member_hparams = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
     nonnegative_hparams = member_hparams
 
+    @classmethod
+    def state_tensors(cls, settings: Mapping[str, Any]) -> int:
+        return 1  # sum
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -143,6 +152,10 @@ class Adadelta(FusedOptimizer):
 
     member_hparams = ("lr", "rho", "eps", "weight_decay")
     nonnegative_hparams = ("lr", "eps", "weight_decay")
+
+    @classmethod
+    def state_tensors(cls, settings: Mapping[str, Any]) -> int:
+        return 2  # square_avg, acc_delta
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -54,6 +54,14 @@ class FusedOptimizer(Optimizer):
 
     member_hparams: ClassVar[tuple[str, ...]] = ("lr",)
     pair_hparams: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def state_tensors(cls, settings: Mapping[str, Any]) -> int:
+        """How many tensors of state, each the size of the parameter, the optimizer keeps per
+        parameter of a member trained with ``settings`` (its arguments by torch's names; one
+        left out is at its default): what a memory floor of training counts
+        (:class:`fusion.sizing.MemberBytes`)."""
+        return 0
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         import_torch_dynamo()  # before torch.optim imports it from inside this call's callers

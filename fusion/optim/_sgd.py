@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,10 @@ class SGD(FusedOptimizer):
 
     member_hparams = ("lr", "momentum", "dampening", "weight_decay")
     nonnegative_hparams = ("lr", "momentum", "weight_decay")
+
+    @classmethod
+    def state_tensors(cls, settings: Mapping[str, Any]) -> int:
+        return 1 if settings.get("momentum", 0) else 0  # the momentum buffer
 
     def __init__(
         self,

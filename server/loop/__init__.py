@@ -90,7 +90,7 @@ class SchedulingLoop:
         self.throughput = Throughput(settings, pool, self.scheduler, packages)
         self.lifecycle = Lifecycle(self.ctx)
         self.recorder = Recorder(self.ctx, self.throughput, self.lifecycle)
-        self.asker = Asker(self.ctx, self.lifecycle, self.recorder.notices)
+        self.asker = Asker(self.ctx, self.lifecycle, self.recorder.notices, self.throughput)
         self.dispatcher = Dispatcher(self.ctx, self.scheduler, self.throughput)
         #: The fencing epoch this scheduler took (server/fencing.py), once set up.
         self.epoch: int | None = None

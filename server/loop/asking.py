@@ -14,6 +14,16 @@ its trials' fusion keys come from the package's describer (``server/loop/package
 its code never runs here. It is not asked until its describer has loaded the package; a
 package that fails to load fails its study, with the traceback.
 
+A trial whose model needs more memory than any worker has fails there too, before anything
+allocates it: its model is built on the meta device, and the least it needs to train one
+member (its parameters, their gradients, the state its optimizer keeps with the trial's
+settings, and its buffers: ``fusion.sizing.MemberBytes``) is held against the workers'
+memory budget (``FUSETUNE_WORKER_MEMORY_BYTES``), else the largest worker's memory (CPU
+workers share their node's equally) less the headroom sizing keeps free. An unbounded width in a tenant's search space would otherwise have a
+worker allocate it until the node ran out of memory, and Ray's memory monitor then kills
+whichever worker it picks, another tenant's among them. The same floor caps how many
+members an array of the class gets (``Throughput.size_cap``).
+
 A param that neither a trial's model factory nor its training recipe reads tunes nothing (a
 typo in the space): the trial names it in its user attr ``unused_params`` and the study
 gets a warning.
@@ -28,6 +38,7 @@ from typing import Any
 from optuna.trial import TrialState as OptunaState
 from sqlalchemy.orm import Session
 
+from fusetune.fusion.sizing import HEADROOM
 from fusetune.server import events
 from fusetune.server.db import Study, StudyState, Trial, TrialState, utcnow
 from fusetune.server.db.bulk import insert_returning
@@ -40,11 +51,12 @@ from fusetune.server.loop.lifecycle import Lifecycle
 from fusetune.server.loop.mirrors import group_size
 from fusetune.server.loop.notices import StudyWarnings
 from fusetune.server.loop.thread import database_unavailable
+from fusetune.server.loop.throughput import Throughput
 from fusetune.server.mirror import AskedTrial
 from fusetune.server.schemas import parse_search_space
 from fusetune.workers.describer import Described
 from fusetune.workers.package import PackageError
-from fusetune.workers.signature import trial_signature, unused_params
+from fusetune.workers.signature import trial_model, unused_params
 from fusetune.workers.workloads import Workload, get_workload
 
 __all__ = ["Asker"]
@@ -62,12 +74,13 @@ def _not_run(trial: Any) -> Mapping[str, Any]:
 class Asker:
     """Asks the studies' samplers for trials (see the module docstring)."""
 
-    def __init__(self, ctx: LoopContext, lifecycle: Lifecycle, notices: StudyWarnings) -> None:
+    def __init__(self, ctx: LoopContext, lifecycle: Lifecycle, notices: StudyWarnings, throughput: Throughput) -> None:
         self.ctx = ctx
         self.settings = ctx.settings
         self.mirrors = ctx.mirrors
         self.lifecycle = lifecycle
         self.notices = notices
+        self.throughput = throughput
         # A registered workload's unused params, per study and set of param names: the model
         # is built again to find them, once per shape of trial rather than per trial.
         self._unused: dict[tuple[int, frozenset[str]], list[str]] = {}
@@ -165,8 +178,9 @@ class Asker:
             row = {"study_id": study.id, "optuna_trial_id": trial.trial_id, "number": trial.number, "params": trial.params,
                    "signature": "", "state": TrialState.WAITING, "error": trial.error, "completed_at": None}
             if trial.error is None:
-                row["signature"], row["error"], names = next(described)
-                if row["error"] is not None:  # the workload's model rejected these params
+                signature, error, names, least_bytes = next(described)
+                row["signature"], row["error"] = signature, error or self._too_large(signature, least_bytes)
+                if row["error"] is not None:  # the workload's model rejected these params, or no worker fits it
                     mirror.tell(session, trial.trial_id, OptunaState.FAIL)
                 elif names:
                     mirror.set_user_attrs(session, trial.trial_id, {UNUSED_ATTR: names})
@@ -192,6 +206,25 @@ class Asker:
                 events.record(session, "trial.ended", **where, state="FAIL", value=None, error=row["error"])
         return ids
 
+    def _too_large(self, signature: str, least_bytes: int) -> str | None:
+        """Why a trial whose member needs ``least_bytes`` to train cannot train anywhere, or
+        None; a class that fits has its arrays capped by it (see the module docstring)."""
+        budget = self.settings.worker_memory_bytes
+        workers = self.ctx.pool.workers
+        if budget is not None:
+            limit, whose = budget, "the workers' memory budget (FUSETUNE_WORKER_MEMORY_BYTES)"
+        elif workers:
+            limit = int(max(w.memory_bytes for w in workers) * (1 - HEADROOM))
+            whose = f"the largest worker's memory less the {HEADROOM:.0%} that sizing keeps free"
+        else:
+            return None  # no worker yet: nothing to hold it against
+        if least_bytes <= limit:
+            self.throughput.note_least_bytes(signature, least_bytes)
+            return None
+        return (f"its model needs at least {_gib(least_bytes)} to train one member (its parameters, their "
+                f"gradients, its optimizer's state and its buffers, before any activation), more than "
+                f"{whose}, {_gib(limit)}: no worker can train it")
+
     def _describe(self, study: Study, workload: Workload | None, trials: list[AskedTrial]) -> list[Described]:
         """Each trial's fusion key, the error its model's factory raised, and its unused params:
         from the package's describer, or (a registered workload) built here on the meta device."""
@@ -201,14 +234,18 @@ class Asker:
         out: list[Described] = []
         for trial in trials:
             try:
-                signature = trial_signature(workload, trial.params, training)
+                model = trial_model(workload, trial.params, training)
             except Exception as exc:  # the workload's model rejected these params
-                out.append(("", f"{type(exc).__name__}: {exc}", []))
+                out.append(("", f"{type(exc).__name__}: {exc}", [], 0))
                 continue
             key = (study.id, frozenset(trial.params))
             if key not in self._unused:
                 if len(self._unused) > 4096:  # studies come and go: a bound, not an eviction policy
                     self._unused.clear()
                 self._unused[key] = unused_params(workload, trial.params, training)
-            out.append((signature, None, self._unused[key]))
+            out.append((model.signature, None, self._unused[key], model.least_bytes))
         return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):,.1f} GiB" if n >= 1 << 28 else f"{n / (1 << 20):,.1f} MiB"

@@ -1,5 +1,6 @@
 """What the scheduling loop has measured of each class's arrays: their speeds, the sizes that
-ran out of memory, and the memory models that size arrays to a budget.
+ran out of memory, the memory models that size arrays to a budget, and each class's memory
+floor per member (from its model built on the meta device when its trials were asked).
 
 Speeds are models·steps/s by (signature, device type) and array size B, folded in as each
 array-epoch reports (an exponential average, ``FUSETUNE_THROUGHPUT_SMOOTHING``), written to
@@ -21,6 +22,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from fusetune.fusion.sizing import HEADROOM
 from fusetune.scheduler import Scheduler, fit_points
 from fusetune.server import mirror
 from fusetune.server.db import Array, Study
@@ -58,6 +60,10 @@ class Throughput:
         self._memory_pending: dict[str, tuple[Any, float]] = {}  # signature -> (its measurement on a worker, since)
         # Classes whose model fuses by neither path -> why: their arrays train one member, unfused.
         self._unfusible: dict[str, str] = {}
+        # signature -> the least bytes one member needs to train (asking's meta-device build):
+        # known for the classes this process asked; a restarted service caps the classes it
+        # asks again, and the memory budget's model caps every class.
+        self._least_bytes: dict[str, int] = {}
         self._recalled: set[int] = set()  # studies whose stored unfusible classes are in _unfusible
 
     # -- speeds ----------------------------------------------------------------------------------
@@ -166,12 +172,17 @@ class Throughput:
         self, session: Session, cls: str, worker: WorkerHandle, trial_id: int, waiting: Mapping[int, tuple[Any, Study]],
     ) -> int:
         """The most members an array of ``cls`` may have on ``worker``: one for a model that fuses by
-        neither path; half of the size that ran out of memory there, and with a memory budget,
-        what the fusion engine's memory model fits in it. 0 while that model is being measured
-        on a worker (:meth:`memory_model`): start none yet."""
+        neither path; half of the size that ran out of memory there; no more members than the
+        worker's memory, less sizing's headroom, holds at a member's floor
+        (:meth:`note_least_bytes`); and with a memory
+        budget, what the fusion engine's memory model fits in it. 0 while that model is being
+        measured on a worker (:meth:`memory_model`): start none yet."""
         if cls in self._unfusible:
             return 1  # one member, unfused: it fits if anything does
         cap = self._oom_caps.get((cls, worker.device_type), self.settings.max_array_size)
+        least = self._least_bytes.get(cls)
+        if least:  # B members need at least B times a member's floor, activations aside
+            cap = max(1, min(cap, int(worker.memory_bytes * (1 - HEADROOM)) // least))
         budget = self.settings.worker_memory_bytes
         if budget is None:
             return cap
@@ -181,6 +192,13 @@ class Throughput:
             return 0
         base, member = model
         return max(1, min(cap, (budget - base) // max(member, 1)))
+
+    def note_least_bytes(self, signature: str, least_bytes: int) -> None:
+        """Record the least bytes a member of ``signature`` needs to train (``Asker``): the most
+        of its trials', since an array keeps the optimizer state any of its members needs for all."""
+        if len(self._least_bytes) >= 65536 and signature not in self._least_bytes:
+            self._least_bytes.clear()  # classes come and go: a bound, not an eviction policy
+        self._least_bytes[signature] = max(least_bytes, self._least_bytes.get(signature, 0))
 
     def memory_model(self, session: Session, signature: str, worker: WorkerHandle, trial_id: int, study: Study) -> tuple[int, int] | None:
         """The memory model of ``signature``'s arrays, ``(base, member)`` bytes, measured on a

@@ -59,6 +59,46 @@ def test_memory_limit_caps_members():
         sizing.size_array(small_mlp, x, y, candidates=(1, 2), steps=1, rounds=1, cache=False, memory_limit=10)
 
 
+class _Tied(nn.Module):
+    """A tied weight (counted once), a frozen parameter and BatchNorm's buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.scale = nn.Parameter(torch.ones(4), requires_grad=False)
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.embed(x)) * self.scale)
+
+
+@pytest.mark.parametrize(("optimizer", "settings", "kept"), [
+    (fusion.optim.SGD, {}, 0), (fusion.optim.SGD, {"momentum": 0.9}, 1),
+    (fusion.optim.Adam, {}, 2), (fusion.optim.AdamW, {"amsgrad": True}, 3),
+    (fusion.optim.RMSprop, {"momentum": 0.5, "centered": True}, 3), (fusion.optim.Adagrad, {}, 1),
+])
+def test_a_members_floor_counts_what_training_keeps_without_allocating_it(optimizer, settings, kept):
+    trainable = (10 * 4 + 4 + 4) * 4  # the tied weight once, BatchNorm's weight and bias
+    frozen, buffers = 4 * 4, (4 + 4) * 4 + 8  # the scale; running mean and var, num_batches_tracked
+    sizes = sizing.MemberBytes.of(_Tied())
+    assert sizes == sizing.MemberBytes(trainable, frozen + buffers)
+    assert sizes.least_to_train(optimizer, settings) == trainable * (2 + kept) + frozen + buffers
+    # Shapes only: a 4 TB layer on the meta device costs nothing to count.
+    with torch.device("meta"):
+        huge = nn.Linear(1_000_000, 1_000_000)
+    assert sizing.MemberBytes.of(huge).least_to_train(optimizer, settings) == (10**12 + 10**6) * 4 * (2 + kept)
+
+
+@pytest.mark.parametrize(("optimizer", "fused"), [("sgd", fusion.optim.SGD), ("adam", fusion.optim.Adam)])
+def test_a_members_floor_is_below_the_measured_memory_model(optimizer, fused):
+    x, y = torch.randn(8, 4, 4), torch.randint(0, 3, (8,))
+    _base, member = sizing.memory_model(small_mlp, x, y, optimizer=optimizer)
+    floor = sizing.MemberBytes.of(small_mlp()).least_to_train(fused)
+    assert 0 < floor <= member
+
+
 LINEAR = "torch.nn.modules.linear.Linear"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from fusetune.workers.signature import array_settings, trial_signature
+from fusetune.workers.signature import array_settings, trial_model, trial_signature
 from fusetune.workers.workloads import get_workload
 from fusetune.workers.workloads._base import Workload
 
@@ -73,3 +73,17 @@ def test_a_factory_error_is_the_factorys_own():
     workload = Workload(**{**MLP.__dict__, "build_model": build})
     with pytest.raises(ValueError, match="width must be positive, got -1"):
         trial_signature(workload, {"width": -1})
+
+
+def test_a_trials_memory_floor_follows_its_own_optimizer_settings_from_the_memoised_model():
+    workload, calls = counting(MLP)
+    base = {"lr": 0.1, "weight_decay": 1e-4, "hidden": 1000}
+    weights = (64 * 1000 + 1000 + 1000 * 1000 + 1000 + 1000 * 10 + 10) * 4  # float32, no buffers
+    plain = trial_model(workload, {**base, "momentum": 0.0})
+    heavy = trial_model(workload, {**base, "momentum": 0.9})
+    assert plain.signature == heavy.signature == trial_signature(workload, base)
+    assert plain.least_bytes == 2 * weights  # the weights and their gradients
+    assert heavy.least_bytes == 3 * weights  # and SGD's momentum buffer
+    assert len(calls) == 1  # one model built, on the meta device
+    wide = trial_model(workload, {**base, "hidden": 100_000, "momentum": 0.9})  # 40 GB of weights
+    assert wide.least_bytes > 3 * 4 * 100_000**2
