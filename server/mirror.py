@@ -45,6 +45,7 @@ from sqlalchemy.orm import Session
 from fusetune.server.db import optuna_tables as rdb
 from fusetune.server.db.bulk import add_rows, add_updates, insert_returning, insert_rows, rowcount, write_pending
 from fusetune.server.db.models import table_of
+from fusetune.server.db.text import dumps
 
 __all__ = ["AskedTrial", "CreatedStudy", "StudyMirror", "create_study_rows", "set_study_system_attr"]
 
@@ -246,8 +247,8 @@ class StudyMirror:
                     "param_value": distribution.to_internal_repr(value),
                     "distribution_json": distribution_to_json(distribution),
                 })
-            system += [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in f.system_attrs.items()]
-            user += [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in f.user_attrs.items()]
+            system += [{"trial_id": trial_id, "key": k, "value_json": dumps(v)} for k, v in f.system_attrs.items()]
+            user += [{"trial_id": trial_id, "key": k, "value_json": dumps(v)} for k, v in f.user_attrs.items()]
         for model, rows in (
             (rdb.TrialParamModel, params), (rdb.TrialSystemAttributeModel, system), (rdb.TrialUserAttributeModel, user)
         ):
@@ -331,13 +332,13 @@ class StudyMirror:
     @staticmethod
     def _write_attrs(session: Session, model: Any, trial_id: int, attrs: Mapping[str, Any], existing: set[str]) -> None:
         table = table_of(model)
-        new = [{"trial_id": trial_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items() if k not in existing]
+        new = [{"trial_id": trial_id, "key": k, "value_json": dumps(v)} for k, v in attrs.items() if k not in existing]
         add_rows(session, table, new)  # with the transaction's others, at its commit
         if existing & set(attrs):
             write_pending(session, table)  # the key's row may still be held back
         for key in existing & set(attrs):
             session.execute(
-                update(table).where(table.c.trial_id == trial_id, table.c.key == key).values(value_json=json.dumps(attrs[key]))
+                update(table).where(table.c.trial_id == trial_id, table.c.key == key).values(value_json=dumps(attrs[key]))
             )
 
     # -- ending --------------------------------------------------------------------------------
@@ -436,7 +437,7 @@ def create_study_rows(
     ])
     if system_attrs:
         session.execute(insert(table_of(rdb.StudySystemAttributeModel)), [
-            {"study_id": study_id, "key": k, "value_json": json.dumps(v)} for k, v in system_attrs.items()
+            {"study_id": study_id, "key": k, "value_json": dumps(v)} for k, v in system_attrs.items()
         ])
     return CreatedStudy(study_id, name, tuple(directions), dict(system_attrs))
 
@@ -446,4 +447,4 @@ def set_study_system_attr(session: Session, study_id: int, key: str, value: Any)
     table = table_of(rdb.StudySystemAttributeModel)
     where = (table.c.study_id == study_id, table.c.key == key)
     session.execute(delete(table).where(*where))
-    session.execute(insert(table).values(study_id=study_id, key=key, value_json=json.dumps(value)))
+    session.execute(insert(table).values(study_id=study_id, key=key, value_json=dumps(value)))

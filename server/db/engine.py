@@ -14,6 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 import fusetune.migrations as migrations
+from fusetune.server.db.text import dumps
 
 if TYPE_CHECKING:
     import optuna
@@ -65,9 +66,10 @@ def lock_for_write(session: Session) -> bool:
 
 def engine_kwargs(url: str) -> dict:
     """Connection options every engine on ``url`` (ours and Optuna's) should use."""
+    # Every JSON column's text is storable (server/db/text.py), whatever a tenant's code said.
     if url.startswith("sqlite"):
-        return {"connect_args": {"timeout": 60, "check_same_thread": False}}
-    return {"pool_pre_ping": True}
+        return {"connect_args": {"timeout": 60, "check_same_thread": False}, "json_serializer": dumps}
+    return {"pool_pre_ping": True, "json_serializer": dumps}
 
 
 @lru_cache(maxsize=8)

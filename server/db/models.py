@@ -25,7 +25,6 @@ from sqlalchemy import (
     Integer,
     String,
     Table,
-    Text,
     false,
     func,
     or_,
@@ -36,6 +35,7 @@ from sqlalchemy.ext.hybrid import hybrid_property
 from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from fusetune.server.db.text import StorableText
 from fusetune.workers.spec import TrainingSpec
 
 
@@ -284,7 +284,7 @@ class Trial(Base):
     signature: Mapped[str] = mapped_column(String(64))
     state: Mapped[TrialState] = mapped_column(_enum(TrialState), default=TrialState.WAITING, index=True)
     value: Mapped[float | None] = mapped_column(Float, nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(StorableText, nullable=True)
     array_id: Mapped[int | None] = mapped_column(
         ForeignKey("ft_arrays.id", ondelete="SET NULL"), nullable=True, index=True
     )
@@ -316,7 +316,7 @@ class Array(Base):
     models_steps_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: Seconds the worker spent by phase (train_s, eval_s, report_s, checkpoint_s, ...).
     timings: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(StorableText, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     completed_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
