@@ -11,6 +11,8 @@ array waits for that answer at the epoch boundary.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 import time
@@ -120,7 +122,11 @@ def optimize(
                     raise PermissionError(f"the service refused the code: {exc.detail}") from exc
                 raise ValueError(f"the service refused the study: {exc.detail}") from exc
             run = _Run(study, client, created["id"], space, search_space, len(study.directions) > 1, bar)
-            run.until_done(n_trials, n_concurrent or 2 * group, deadline, poll_interval)
+            try:
+                run.until_done(n_trials, n_concurrent or 2 * group, deadline, poll_interval)
+            except BaseException:  # Ctrl-C, a refused enqueue, the service gone: see _Run.abandon
+                run.abandon()
+                raise
     finally:
         if bar is not None:
             bar.close()
@@ -216,15 +222,28 @@ class _Run:
     def ask(self) -> None:
         """One more trial of the user's study, enqueued on the service with its params."""
         params: Mapping[str, Any]
-        if self.search_space is not None:
-            trial = self.study.ask(dict(self.search_space))
-            params = trial.params
-        else:
-            trial = self.study.ask()
-            params = self.space(trial)
-        row = self.client.enqueue_trial(self.service_id, _plain(params), {"client_trial_number": trial.number})
+        trial = self.study.ask(dict(self.search_space)) if self.search_space is not None else self.study.ask()
+        try:
+            params = trial.params if self.search_space is not None else self.space(trial)
+            row = self.client.enqueue_trial(self.service_id, _plain(params), {"client_trial_number": trial.number})
+        except BaseException:  # the space's own code, or the service, refused it: as study.optimize does
+            self.study.tell(trial, state=TrialState.FAIL)
+            raise
         self.inflight[row["id"]] = _Tracked(trial)
         self.asked += 1
+
+    def abandon(self) -> None:
+        """This call ends before its trials did: fail them in the user's study, as
+        ``study.optimize`` fails the trial it was running, and cancel the service study, whose
+        arrays would otherwise wait at each epoch boundary for pruning answers that never come
+        (``FUSETUNE_PRUNE_REPLY_TIMEOUT_S``), holding their workers from every other study.
+        Best effort: the service may be what failed."""
+        for tracked in self.inflight.values():
+            with contextlib.suppress(Exception):  # it ended in the user's storage meanwhile
+                self.study.tell(tracked.trial, state=TrialState.FAIL)
+        self.inflight.clear()
+        with contextlib.suppress(Exception):  # unreachable, or the study ended meanwhile
+            self.client.cancel_study(self.service_id)
 
     def follow(self) -> None:
         """One read of the service study's trials, brought into the user's trials in flight."""
@@ -243,7 +262,8 @@ class _Run:
 def _follow(study: optuna.Study, client: Client, row: dict[str, Any], tracked: _Tracked, multi: bool) -> bool:
     """Bring one service trial's news into the user's trial; True once it has ended."""
     trial = tracked.trial
-    values_by_step = {int(step): value for step, value in row["intermediate_values"].items()}  # JSON keys
+    # JSON keys are strings, and a non-finite value (a diverged epoch) is JSON's null.
+    values_by_step = {int(step): math.nan if value is None else value for step, value in row["intermediate_values"].items()}
     steps = sorted(values_by_step)
     if not multi:  # Optuna's Trial.report is single-objective
         for step in steps:

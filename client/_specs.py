@@ -28,6 +28,9 @@ __all__ = ["component_spec"]
 _SEED_RANGE = 2**31
 # State that a sampler derives from the study it has seen, not from its arguments.
 _CACHES: tuple[type, ...] = (optuna.search_space.IntersectionSearchSpace,)
+# Arguments an object keeps shuffled by its random state: the same values in the rebuilt one,
+# in the order the spec's seed gives them (GridSampler's points).
+_SHUFFLED = {(optuna.samplers.GridSampler, "_all_grids")}
 
 
 def component_spec(obj: optuna.samplers.BaseSampler | optuna.pruners.BasePruner) -> dict[str, Any]:
@@ -189,7 +192,10 @@ def _difference(a: Any, b: Any, path: str) -> str | None:
         for key in vars(a).keys() | vars(b).keys():
             if key not in vars(a) or key not in vars(b):
                 return f"{path}.{key}"
-            found = _difference(vars(a)[key], vars(b)[key], f"{path}.{key}")
+            if (type(a), key) in _SHUFFLED:
+                found = None if sorted(map(repr, vars(a)[key])) == sorted(map(repr, vars(b)[key])) else f"{path}.{key}"
+            else:
+                found = _difference(vars(a)[key], vars(b)[key], f"{path}.{key}")
             if found:
                 return found
         return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import threading
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
@@ -158,6 +159,14 @@ class Storage(optuna.storages.BaseStorage):
             since = known.revision if known is not None else 0
         try:
             rows, revision = self._found(lambda: self._client.changes(study_id, since), f"study {study_id}")
+            if since and known is not None and _replaced(known, rows):
+                # SQLite gives a deleted study's id (and its trials' ids) to the next ones
+                # created: what was read of the old study is not this one's.
+                with self._lock:
+                    self._trials.pop(study_id, None)
+                    for trial_id in known.trials:
+                        self._finished.pop(trial_id, None)
+                rows, revision = self._found(lambda: self._client.changes(study_id, 0), f"study {study_id}")
         except KeyError:
             with self._lock:
                 self._trials.pop(study_id, None)  # deleted, or never this tenant's
@@ -169,6 +178,7 @@ class Storage(optuna.storages.BaseStorage):
                 if row["revision"] >= known.revisions.get(row["id"], -1):
                     known.trials[row["id"]] = self._frozen(row)  # it changed: parse it again
                     known.revisions[row["id"]] = row["revision"]
+                    known.created[row["id"]] = row["created_at"]
             known.revision = max(known.revision, revision)
             trials = sorted(known.trials.values(), key=lambda t: t.number)
         if states is not None:
@@ -207,7 +217,8 @@ class Storage(optuna.storages.BaseStorage):
             distributions=distributions,
             user_attrs=row["user_attrs"],
             system_attrs=row["system_attrs"],
-            intermediate_values={int(step): v for step, v in row["intermediate_values"].items()},
+            # A non-finite value (a diverged epoch) comes as JSON's null: Optuna keeps it as NaN.
+            intermediate_values={int(step): math.nan if v is None else v for step, v in row["intermediate_values"].items()},
             trial_id=row["id"],
         )
         if state.is_finished():
@@ -222,6 +233,21 @@ class _StudyTrials:
     revision: int = 0  # every change up to this revision has been read
     trials: dict[int, FrozenTrial] = field(default_factory=dict)  # by fusetune trial id
     revisions: dict[int, int] = field(default_factory=dict)  # each trial's revision as read
+    created: dict[int, str] = field(default_factory=dict)  # each trial's created_at as read
+
+
+def _replaced(known: _StudyTrials, rows: list[dict[str, Any]]) -> bool:
+    """Whether changed trial rows belong to another study than the one read before under the
+    same id: a trial id read before with another creation time, or a trial number read before
+    under another trial id."""
+    numbers = {t.number: trial_id for trial_id, t in known.trials.items()}
+    for row in rows:
+        before = known.trials.get(row["id"])
+        if before is not None and known.created.get(row["id"]) != row["created_at"]:
+            return True
+        if numbers.get(row["number"], row["id"]) != row["id"]:
+            return True
+    return False
 
 
 def _json(value: Any) -> str:
@@ -229,4 +255,6 @@ def _json(value: Any) -> str:
 
 
 def _datetime(value: str | None) -> datetime | None:
-    return None if value is None else datetime.fromisoformat(value)
+    """The service's UTC time as Optuna's storages give one: naive, in local time
+    (``datetime.now()``), so that it subtracts from ``datetime.now()``."""
+    return None if value is None else datetime.fromisoformat(value).astimezone().replace(tzinfo=None)

@@ -204,10 +204,10 @@ class StudyMirror:
         """
         asked: list[tuple[FrozenTrial, dict[str, Any], str | None]] = []
         for _ in range(n):
-            trial = self.study.ask(fixed_distributions=dict(fixed_distributions) if fixed_distributions else None)
+            trial = self.study.ask(fixed_distributions=dict(fixed_distributions) if fixed_distributions is not None else None)
             error = None
             try:
-                params = dict(trial.params) if fixed_distributions else dict(search_space(trial))
+                params = dict(trial.params) if fixed_distributions is not None else dict(search_space(trial))
             except Exception as exc:  # the workload's own code rejected the sampled values
                 params, error = dict(trial.params), f"{type(exc).__name__}: {exc}"
                 self._memory.set_trial_state_values(trial._trial_id, OptunaState.FAIL)

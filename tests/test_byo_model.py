@@ -319,6 +319,93 @@ def _wheel(folder: Path, module: str, source: str) -> Path:
     return path
 
 
+#: A module whose define-by-run space is conditional (``kind`` a: ``hidden``; b: ``momentum``),
+#: and which raises ``KeyboardInterrupt`` from its space when asked for trial ``INTERRUPT[1]`` of
+#: the study named ``INTERRUPT[0]`` (set on the imported module: the space runs in the client's
+#: process; packaging and FusionSampler run it on studies of their own).
+CONDITIONAL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+from fusetune import Workload
+
+INTERRUPT = None
+
+def build(params):
+    hidden = int(params.get("hidden", 16))
+    return nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+
+def space(trial):
+    study = getattr(trial, "study", None)
+    if INTERRUPT is not None and study is not None and (study.study_name, trial.number) == INTERRUPT:
+        raise KeyboardInterrupt
+    kind = trial.suggest_categorical("kind", ["a", "b"])
+    params = {"kind": kind, "lr": trial.suggest_float("lr", 1e-3, 0.3, log=True)}
+    if kind == "a":
+        params["hidden"] = trial.suggest_categorical("hidden", [8, 16])
+    else:
+        params["momentum"] = trial.suggest_float("momentum", 0.0, 0.9)
+    return params
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(600, 10, generator=g)
+    y = (x[:, :3].sum(1) > 0).long()
+    return TensorDataset(x[:500], y[:500]), TensorDataset(x[500:], y[500:])
+
+def val_loss(out, y):
+    return float(F.cross_entropy(out, y))
+
+WORKLOAD = Workload(name="byo-conditional", build_model=build, search_space=space, datasets=data, loss=F.cross_entropy,
+                    metric=val_loss, metric_name="val_loss", direction="minimize", optimizer="SGD", batch_size=50)
+'''
+
+
+def _conditional(tmp_path: Path) -> ModuleType:
+    module = f"byo_cond_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "cond").mkdir()
+    (tmp_path / "cond" / f"{module}.py").write_text(CONDITIONAL)
+    return imported(tmp_path / "cond", module)
+
+
+def test_optimize_trains_each_trial_with_exactly_the_params_its_conditional_space_gave(
+    service: ServiceProcess, token: str, tmp_path: Path,
+) -> None:
+    workload = _conditional(tmp_path).WORKLOAD
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=3))
+    study.enqueue_trial({"kind": "a", "lr": 1e6, "hidden": 8})  # diverges: its loss is not finite
+    study.enqueue_trial({"kind": "b", "lr": 0.05, "momentum": 0.5})
+    ft.optimize(study, workload, n_trials=6, epochs=2, max_array_size=4, url=service.url, token=token)
+    with Client(service.url, token=token) as client:
+        (row,) = [s for s in client.studies() if s["name"].startswith(study.study_name)]
+        trained = {t["user_attrs"]["client_trial_number"]: t["params"] for t in client.trials(row["id"])}
+    for trial in study.trials:
+        assert trained[trial.number] == trial.params  # nothing sampled on the service beside them
+    assert {t.params["kind"] for t in study.trials} == {"a", "b"}
+    diverged = study.trials[0]
+    assert diverged.state == optuna.trial.TrialState.FAIL
+    assert all(v != v for v in diverged.intermediate_values.values())  # reported as NaN, as Optuna takes it
+    assert [t.state for t in study.trials[1:]] == [optuna.trial.TrialState.COMPLETE] * 5
+
+
+def test_an_interrupted_optimize_fails_its_trials_and_cancels_the_service_study(
+    service: ServiceProcess, token: str, tmp_path: Path,
+) -> None:
+    module = _conditional(tmp_path)
+    study = optuna.create_study(direction="minimize")
+    module.INTERRUPT = (study.study_name, 2)  # Ctrl-C while asking the third, two in flight
+    with pytest.raises(KeyboardInterrupt):
+        ft.optimize(study, module.WORKLOAD, n_trials=8, epochs=50, n_concurrent=4, url=service.url, token=token)
+    # As study.optimize leaves it: the trial being asked and those in flight failed.
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.FAIL] * 3
+    with Client(service.url, token=token) as client:
+        (row,) = [s for s in client.studies() if s["name"].startswith(study.study_name)]
+        # The service study holds no worker waiting for pruning answers from a client that left.
+        assert row["state"] == "CANCELLED"
+        assert ended(client, row["id"])["trial_counts"]["RUNNING"] == 0
+
+
 def test_broken_code_fails_its_own_study_with_the_traceback_and_no_other(service: ServiceProcess, token: str, tmp_path: Path) -> None:
     good = imported(tmp_path / "good", write_module(tmp_path / "good", tmp_path / "marker", name="byo-good"))
     with Client(service.url, token=token) as client:

@@ -32,7 +32,7 @@ gets a warning.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from optuna.trial import TrialState as OptunaState
@@ -151,7 +151,9 @@ class Asker:
             mirror = self.mirrors.of(study)
             try:
                 mirror.study.enqueue_trial(dict(params), user_attrs=dict(user_attrs), skip_if_exists=False)
-                (trial_id,) = self._ask_into(session, study, 1)
+                # A client-driven study's trial is the client's trial, whose space ran there
+                # (conditional or not): it trains with exactly its params, none sampled here.
+                (trial_id,) = self._ask_into(session, study, 1, exactly=set(params) if study.driver == "client" else None)
                 if study.state == StudyState.COMPLETE:  # more trials for a study that had ended
                     study.state, study.completed_at = StudyState.RUNNING, None
                 session.commit()
@@ -164,12 +166,16 @@ class Asker:
         self.ctx.wake()
         return row
 
-    def _ask_into(self, session: Session, study: Study, wanted: int) -> list[int]:
+    def _ask_into(self, session: Session, study: Study, wanted: int, exactly: Collection[str] | None = None) -> list[int]:
         """Ask ``wanted`` trials (enqueued ones first, as Optuna does) into the caller's
-        transaction; returns their fusetune ids, in order."""
+        transaction; returns their fusetune ids, in order. With ``exactly``, the study's
+        distributions of those params alone are asked (an enqueued trial's: the rest of a
+        conditional space stays unsampled)."""
         workload = None if study.package is not None else get_workload(study.workload)
         mirror = self.mirrors.of(study)
         distributions = parse_search_space(study.search_space) if study.search_space else None
+        if exactly is not None and distributions is not None:
+            distributions = {name: d for name, d in distributions.items() if name in exactly}
         asked = mirror.ask(session, wanted, workload.search_space if workload is not None else _not_run, distributions)
         described = iter(self._describe(study, workload, [t for t in asked if t.error is None]))
         new: list[dict[str, Any]] = []  # the trials' rows

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 
 import optuna
 import pytest
@@ -69,6 +70,9 @@ def test_a_study_created_from_optuna_objects_reads_back_as_the_database_holds_it
     assert remote.direction == optuna.study.StudyDirection.MAXIMIZE
     assert remote.best_trial.number == local.best_trial.number
     assert len(remote.trials_dataframe()) == 6
+    for trial in remote.trials:  # naive local times, as Optuna's storages give (datetime.now())
+        assert trial.datetime_start is not None and trial.datetime_start.tzinfo is None
+        assert timedelta(0) <= datetime.now() - trial.datetime_start < timedelta(hours=1)
     figure = optuna.visualization.plot_optimization_history(remote)
     assert len(figure.data[0].x) == len(remote.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
     figure = optuna.visualization.plot_optimization_history(remote)
@@ -90,6 +94,29 @@ def test_a_study_created_from_optuna_objects_reads_back_as_the_database_holds_it
     assert again._study_id == remote._study_id
     with pytest.raises(optuna.exceptions.DuplicatedStudyError):
         ft.create_study(workload="digits-mlp", n_trials=6, study_name="remote", url=service.url, token=service.token)
+
+
+def test_a_storage_kept_open_never_shows_a_deleted_studys_trials_in_the_next_study(service: Client, module_database_url: str) -> None:
+    """SQLite gives a deleted study's id, and its trials' ids, to the next ones created (what a
+    dashboard on one long-lived Storage would see); PostgreSQL never does, and must read the same."""
+    storage = ft.Storage(service.url, token=service.token)
+    old = service.create_study("digits-mlp", n_trials=3, epochs=1, name="reused-old", search_space=_json(SPACE))
+    service.wait(old["id"], timeout=300, poll=0.2)
+    assert len(storage.get_all_trials(old["id"])) == 3
+    assert service.delete_study(old["id"]) is None  # gone at once: nothing of it trains
+    new = service.create_study("digits-mlp", n_trials=2, epochs=1, name="reused-new", search_space=_json(SPACE))
+    if module_database_url.startswith("sqlite"):
+        assert new["id"] == old["id"]  # the case this test is about
+    service.wait(new["id"], timeout=300, poll=0.2)
+    trials = storage.get_all_trials(new["id"])
+    assert [t._trial_id for t in trials] == [t["id"] for t in sorted(service.trials(new["id"]), key=lambda t: t["number"])]
+    assert [t.number for t in trials] == [0, 1]
+    for trial in trials:
+        assert storage.get_trial(trial._trial_id).params == trial.params
+
+
+def _json(space: dict) -> dict:
+    return {k: optuna.distributions.distribution_to_json(d) for k, d in space.items()}
 
 
 def test_an_unknown_study_is_a_key_error_as_in_optuna(service: Client) -> None:

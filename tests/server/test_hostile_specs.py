@@ -307,6 +307,22 @@ def test_a_sampler_built_with_a_deprecated_argument_is_refused_by_the_client() -
         component_spec(sampler)
 
 
+def test_a_grid_sampler_is_rebuilt_with_every_point_in_the_order_its_spec_seed_gives() -> None:
+    """GridSampler shuffles its points with its random state, which keeps no seed: the spec's
+    seed (drawn from that state) orders them differently, and that is no difference."""
+    from fusetune.client import component_spec
+
+    grid = optuna.samplers.GridSampler({"lr": [0.1, 0.01, 0.001], "momentum": [0.0, 0.9]}, seed=4)
+    spec = component_spec(grid)
+    rebuilt = optuna.samplers.GridSampler(**spec["kwargs"])
+    assert sorted(rebuilt._all_grids) == sorted(grid._all_grids)
+    assert component_spec(grid) == spec  # the same seed each time
+    with pytest.raises(ValueError, match="GridSampler"):  # other points are a difference
+        fewer = optuna.samplers.GridSampler({"lr": [0.1, 0.01], "momentum": [0.0, 0.9]}, seed=4)
+        fewer._all_grids.append((0.5, 0.5))  # a point its search space does not give
+        component_spec(fewer)
+
+
 def test_a_tpe_study_is_created_without_a_future_warning(live: LiveApi) -> None:
     """Issue 31: every create_study with a TPESampler printed four FutureWarnings. The client's
     rebuild checks and the service's build (this process: the live API) run with them as errors."""
