@@ -22,6 +22,7 @@ from sqlalchemy.exc import OperationalError
 
 from fusetune.client import Client, FusetuneError
 from fusetune.server.settings import Settings, get_settings
+from fusetune.server.terminal import Inert
 
 log = logging.getLogger("fusetune")
 #: What ``fusetune --help`` says first (the module docstring is for readers of the code).
@@ -395,6 +396,16 @@ def _local_tenant_token(admin: Client) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    out, err = sys.stdout, sys.stderr
+    # A tenant's text reaches this terminal: as text, never as the terminal's commands.
+    sys.stdout, sys.stderr = Inert(out), Inert(err)
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=get_settings().log_level, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="fusetune", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -49,7 +49,15 @@ Step = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 # "ge"/"le", which no validator reads, instead of "minimum"/"maximum".
 Integer = Annotated[int, Field(ge=-MAX_EXACT_INT, le=MAX_EXACT_INT), BeforeValidator(json_integer)]
 IntStep = Annotated[int, Field(ge=1, le=MAX_EXACT_INT), BeforeValidator(json_integer)]
-Choice = Annotated[None | StrictBool | int | Finite | str, Field(union_mode="left_to_right")]
+#: Characters in a categorical choice or a param's string value: every read of a trial carries it.
+MAX_CHOICE_CHARS = 4096
+#: Choices of one categorical param: its study's mirror, and each sampler, holds them all.
+MAX_CHOICES = 10_000
+Choice = Annotated[
+    None | StrictBool | Annotated[int, Field(ge=-MAX_EXACT_INT, le=MAX_EXACT_INT)] | Finite
+    | Annotated[str, Field(max_length=MAX_CHOICE_CHARS)],
+    Field(union_mode="left_to_right"),
+]
 
 
 class _Strict(BaseModel):
@@ -77,7 +85,7 @@ class IntAttributes(_Strict):
 class CategoricalAttributes(_Strict):
     """``CategoricalDistribution(choices)``: null, booleans, numbers and strings."""
 
-    choices: list[Choice] = Field(min_length=1)
+    choices: list[Choice] = Field(min_length=1, max_length=MAX_CHOICES)
 
 
 class UniformAttributes(_Strict):
@@ -157,7 +165,7 @@ class CategoricalShorthand(_Strict):
     """The abbreviated categorical form: ``{"type": "categorical", "choices": ["adam", "sgd"]}``."""
 
     type: Literal["categorical"]
-    choices: list[Choice] = Field(min_length=1)
+    choices: list[Choice] = Field(min_length=1, max_length=MAX_CHOICES)
 
 
 FullForm = Annotated[

@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from fusetune.server.db import Tenant
 from fusetune.server.db.models import Package
-from fusetune.server.distributions import SearchSpaceEntry
+from fusetune.server.distributions import Choice, SearchSpaceEntry
 from fusetune.server.errors import Forbidden, Invalid, NotFound, TooLarge
 from fusetune.server.schemas import DIGEST_PATTERN, MAX_SEARCH_SPACE_PARAMS, parse_search_space, training_choice_error
 from fusetune.server.settings import Settings, artifact_uri
@@ -94,6 +94,12 @@ class MetricInfo(BaseModel):
     of: Literal["outputs", "model"] = "outputs"
 
 
+#: A workload's default optimizer or scheduler argument: a number, a string, a boolean or null,
+#: or a list of them (``betas``, ``milestones``). The manifest is read from the zip, not through
+#: the API's JSON checks: NaN, numbers past a double and a megabyte of nested lists are refused here.
+DefaultArgument = Choice | Annotated[list[Choice], Field(max_length=1024)]
+
+
 class WorkloadInfo(BaseModel):
     """A package's workload as plain data, read from its ``Workload`` by the client: what the
     service needs to check a study's objectives and show it, without importing anything."""
@@ -106,9 +112,13 @@ class WorkloadInfo(BaseModel):
     metrics: list[MetricInfo] = Field(min_length=1, max_length=64)
     batch_size: int = Field(64, gt=0, le=2**31 - 1)
     optimizer: str = Field("SGD", min_length=1, max_length=64)
-    optimizer_defaults: Annotated[dict[str, Any], NoNulKeys] = Field(default_factory=dict, json_schema_extra=NO_NUL_KEYS)
+    optimizer_defaults: Annotated[dict[str, DefaultArgument], NoNulKeys] = Field(
+        default_factory=dict, max_length=64, json_schema_extra=NO_NUL_KEYS
+    )
     lr_scheduler: str | None = Field(None, min_length=1, max_length=64)
-    lr_scheduler_defaults: Annotated[dict[str, Any], NoNulKeys] = Field(default_factory=dict, json_schema_extra=NO_NUL_KEYS)
+    lr_scheduler_defaults: Annotated[dict[str, DefaultArgument], NoNulKeys] = Field(
+        default_factory=dict, max_length=64, json_schema_extra=NO_NUL_KEYS
+    )
     warmup_epochs: int = Field(0, ge=0, le=10_000)
     max_norm: float | None = Field(None, gt=0)
     amp: bool = False
@@ -269,7 +279,9 @@ def manifest(settings: Settings, digest: str) -> Manifest:
     return _stored_manifest(artifact_uri(settings), digest)
 
 
-@lru_cache(maxsize=256)
+# Few: a manifest of up to its byte limit in nested JSON is tens of MB of Python objects, and
+# reading one again from the store costs a zip's read.
+@lru_cache(maxsize=16)
 def _stored_manifest(store_uri: str, digest: str) -> Manifest:
     data = get_store(store_uri).read(package_key(digest))
     if data is None:

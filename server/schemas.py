@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from fusetune.server.db import ArrayState, StudyState, TrialState
-from fusetune.server.distributions import SearchSpaceEntry
+from fusetune.server.distributions import Choice, SearchSpaceEntry
 from fusetune.server.optuna_specs import SpecError, check_for_study, default_limits, sampler_class
 from fusetune.server.specs import LoaderSpec, LRSchedulerSpec, OptimizerSpec, PrunerSpec, SamplerSpec, field_error, json_enum
 
@@ -497,8 +497,10 @@ class TrialEnqueue(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    params: Annotated[dict[str, Any], NoNulKeys] = Field(
-        description="Fixed params; any the search space suggests besides are sampled.", json_schema_extra=NO_NUL_KEYS
+    params: Annotated[dict[str, Choice], NoNulKeys] = Field(
+        max_length=MAX_SEARCH_SPACE_PARAMS, json_schema_extra=NO_NUL_KEYS,
+        description="Fixed params, each a number, a string, a boolean or null; any the search space "
+        "suggests besides are sampled.",
     )
     user_attrs: Annotated[dict[str, Any], NoNulKeys] = Field(
         default_factory=dict, json_schema_extra=NO_NUL_KEYS,

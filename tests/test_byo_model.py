@@ -406,6 +406,59 @@ def test_an_interrupted_optimize_fails_its_trials_and_cancels_the_service_study(
         assert ended(client, row["id"])["trial_counts"]["RUNNING"] == 0
 
 
+#: A module whose workload's name is a str of its own, whose unpickling would create the folder
+#: MARKER in whatever process decodes it: the describer sends the name back to the loop.
+REDUCING = '''
+import os
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+from fusetune import Workload
+
+MARKER = {marker!r}
+
+class Name(str):
+    def __reduce__(self):
+        return (os.makedirs, (MARKER,))
+
+def build(params):
+    return nn.Linear(4, 2)
+
+def space(trial):
+    return {{"lr": trial.suggest_float("lr", 0.01, 0.1)}}
+
+def data():
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    return TensorDataset(x, y), TensorDataset(x, y)
+
+def accuracy(out, y):
+    return float((out.argmax(-1) == y).float().mean())
+
+WORKLOAD = Workload(name=Name("byo-reducing"), build_model=build, search_space=space, datasets=data,
+                    loss=F.cross_entropy, metric=accuracy, batch_size=16)
+'''
+
+
+def test_what_a_packages_processes_send_back_never_runs_code_in_the_server(
+    service: ServiceProcess, token: str, tmp_path: Path,
+) -> None:
+    """A tenant's code decides what its describer and workers send, bytes and all: the service
+    decodes only the classes of its own protocol (workers/untrusted.py)."""
+    marker = tmp_path / "decoded-here"
+    code = tmp_path / "reducing"
+    code.mkdir()
+    module = f"byo_reduce_{uuid.uuid4().hex[:8]}"
+    (code / f"{module}.py").write_text(REDUCING.format(marker=str(marker)))
+    with Client(service.url, token=token) as client:
+        created = ft.create_study(workload=f"{module}:WORKLOAD", code=code, n_trials=2, epochs=1, url=service.url, token=token)
+        (row,) = [s for s in client.studies() if s["name"] == created.study_name]
+        failed = ended(client, row["id"])
+    assert failed["state"] == "FAILED"
+    assert "does not decode" in failed["error"], failed["error"]
+    assert not marker.exists()  # nothing unpickled the name, in the server or anywhere
+
+
 def test_broken_code_fails_its_own_study_with_the_traceback_and_no_other(service: ServiceProcess, token: str, tmp_path: Path) -> None:
     good = imported(tmp_path / "good", write_module(tmp_path / "good", tmp_path / "marker", name="byo-good"))
     with Client(service.url, token=token) as client:

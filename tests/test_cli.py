@@ -275,6 +275,20 @@ def test_tenants_over_the_api(server: Server, capsys: pytest.CaptureFixture[str]
     assert main(["status", *mine]) == 0
 
 
+def test_a_tenants_text_reaches_the_admins_terminal_as_text(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    """A token label (any tenant's text) with a terminal's escape sequences: an OSC 52 clipboard
+    write, a screen clear and a right-to-left override, printed as visible escapes."""
+    rest = ["--url", server.url, f"--token={server.admin_token}"]
+    create(server, capsys, "mallory")
+    label = "laptop\x1b]52;c;ZWNobyBwd25lZA==\x07\x1b[2J\u202etxt.exe"
+    assert main(["tenants", "token", "mallory", "--label", label, *rest]) == 0
+    assert "\x1b" not in capsys.readouterr().out  # the JSON escapes it already
+    assert main(["tenants", "tokens", "mallory", *rest]) == 0
+    listed = capsys.readouterr().out
+    assert "\x1b" not in listed and "\x07" not in listed and "\u202e" not in listed
+    assert "laptop\\x1b]52;c;ZWNobyBwd25lZA==\\x07\\x1b[2J\\u202etxt.exe" in listed
+
+
 def test_tenants_bootstrap_on_the_database_without_an_admin(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No FUSETUNE_ADMIN_TOKEN: the operator creates tenants on the database, and the server takes their tokens."""
     url = f"sqlite:///{tmp_path / 'ops.db'}"

@@ -11,6 +11,7 @@ from typing import Any, cast
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from fusetune.workers import untrusted
 from fusetune.workers.actor import ArrayWorker
 from fusetune.workers.package import PackageError
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
@@ -204,14 +205,14 @@ class WorkerPool:
             worker = asked[ref]
             worker.coming_up = None
             try:
-                worker.node = ray.get(ref, timeout=self.timeout_s)["node"]
+                worker.node = untrusted.get(ref, timeout=self.timeout_s)["node"]
             except Exception:  # it did not come up: its array's stream says why (wait)
                 continue
             renamed.append(worker)
         return renamed
 
     def _describe(self, worker: WorkerHandle, sharing: int, info_ref: ray.ObjectRef | None = None) -> None:
-        info = ray.get(info_ref or worker.actor.info.remote(), timeout=self.timeout_s)
+        info = untrusted.get(info_ref or worker.actor.info.remote(), timeout=self.timeout_s)
         worker.node, worker.node_id = info["node"], info["node_id"]
         # CPU workers on one node share its memory.
         worker.memory_bytes = int(info["memory_bytes"]) // (sharing if worker.backend == "cpu" else 1)
@@ -361,7 +362,7 @@ class WorkerPool:
             # What ray.wait gave back are the busy workers' streams, each with its array's spec.
             assert isinstance(stream, ray.ObjectRefGenerator) and spec is not None
             try:
-                item: EpochReport | ArrayOutcome | BaseException = ray.get(next(stream), timeout=self.timeout_s)
+                item: EpochReport | ArrayOutcome | BaseException = untrusted.get(next(stream), timeout=self.timeout_s)
             except StopIteration:  # the stream ended without an outcome: cannot happen in run()
                 item = RuntimeError(f"worker {worker.name} ended array {spec.array_id} without an outcome")
             except ray.exceptions.RayActorError as exc:
@@ -395,7 +396,7 @@ class WorkerPool:
         if not ready:
             return None
         try:
-            base, member = ray.get(ref, timeout=self.timeout_s)
+            base, member = untrusted.get(ref, timeout=self.timeout_s)
         except ray.exceptions.RayActorError as exc:
             raise LookupError(f"its worker died: {exc}") from exc
         except ray.exceptions.RayError as exc:

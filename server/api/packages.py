@@ -64,11 +64,12 @@ async def upload_package(
     if content_type is None or content_type.split(";", 1)[0].strip().lower() != ZIP:
         got = f"Content-Type {content_type!r}" if content_type is not None else "a body with no Content-Type"
         raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"a package is a zip (Content-Type: {ZIP}), not {got}")
+    owner = tenant or principal.tenant or "default"
+    # The permission before the body: a tenant without code_upload cannot have the server hold
+    # up to FUSETUNE_MAX_PACKAGE_BYTES of its body for each of its connections.
+    await run_in_threadpool(packages.tenant_with_code, session, owner, principal.tenant)
     data = await request.body()
-    out, created = await run_in_threadpool(
-        packages.upload, session, settings, digest, data,
-        tenant=tenant or principal.tenant or "default", as_tenant=principal.tenant,
-    )
+    out, created = await run_in_threadpool(packages.upload, session, settings, digest, data, tenant=owner, as_tenant=principal.tenant)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     return out
 

@@ -29,6 +29,7 @@ import ray
 from fusetune.server import packages
 from fusetune.server.db import Study
 from fusetune.server.settings import Settings
+from fusetune.workers import untrusted
 from fusetune.workers.describer import Described, PackageDescriber
 from fusetune.workers.package import PackageError
 from fusetune.workers.pool import WorkerHandle, WorkerPool
@@ -148,7 +149,7 @@ class PackageRuntime:
     def _get(self, digest: str, ref: ray.ObjectRef, doing: str) -> Any:
         timeout = self.settings.package_call_timeout_s
         try:
-            return ray.get(ref, timeout=timeout)
+            return untrusted.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             self._forget(digest)
             raise PackageError(f"its code package {digest[:12]} did not {doing} in {timeout:.0f} s "
@@ -162,6 +163,12 @@ class PackageRuntime:
         except ray.exceptions.RayActorError as exc:
             self._forget(digest)
             raise PackageError(f"its code package {digest[:12]}'s describer died: {exc}") from None
+        except ray.exceptions.RaySystemError as exc:  # it sent what this process does not decode
+            self._forget(digest)
+            raise PackageError(f"its code package {digest[:12]}'s describer answered with what the service "
+                               f"does not decode (workers/untrusted.py): {exc}") from None
+        except ray.exceptions.RayError as exc:  # an error whose cause it does not decode, as its text
+            raise PackageError(f"its code package {digest[:12]} failed to {doing}: {exc}") from None
 
     def _forget(self, digest: str) -> None:
         describer = self._describers.pop(digest, None)

@@ -174,6 +174,29 @@ def test_user_attrs_past_their_bound_are_a_422_and_nothing_is_stored(api: httpx.
     assert refused.status_code == 422 and _locs(refused) == [["body", "user_attrs"]], refused.text
 
 
+@pytest.mark.parametrize(("params", "loc"), [
+    ({"lr": [0.1] * 1000}, ["body", "params", "lr"]),  # a param is a scalar, never a list or an object
+    ({"lr": {"deep": {}}}, ["body", "params", "lr"]),
+    ({"width": 10**400}, ["body", "params", "width"]),  # past what Optuna's float params hold
+    ({"note": "x" * 5000}, ["body", "params", "note"]),
+    ({f"p{i}": 1 for i in range(300)}, ["body", "params"]),  # more than a search space may have
+])
+def test_enqueued_params_are_bounded_scalars(api: httpx.Client, params: dict, loc: list) -> None:
+    """Each enqueued trial's params are held in its study's mirror and carried by every read of
+    it: 1 MiB of them was a 201, and a thousand such trials gigabytes."""
+    response = api.post("/api/v1/studies/1/trials", json={"params": params})
+    assert response.status_code == 422, response.text
+    assert {tuple(e["loc"][:len(loc)]) for e in response.json()["detail"]} == {tuple(loc)}
+
+
+def test_a_categorical_choice_past_a_floats_integers_is_a_422(api: httpx.Client) -> None:
+    space = {"width": {"type": "categorical", "choices": [32, 10**400]}}
+    response = api.post("/api/v1/studies", json={"workload": "digits-mlp", "n_trials": 2, "search_space": space})
+    assert response.status_code == 422, response.text
+    (error,) = response.json()["detail"]
+    assert error["loc"] == ["body", "search_space", "width"] and "choices.1" in error["msg"], error
+
+
 def test_samplers_and_pruners_within_the_caps_are_created(api: httpx.Client) -> None:
     specs = [
         {"sampler": {"name": "GridSampler", "kwargs": {"search_space": {"hidden": [32, 64], "lr": [0.01, 0.1]}}}},

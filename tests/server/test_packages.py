@@ -69,6 +69,29 @@ def uploader(small: LiveApi) -> httpx.Client:
     return small.client(token)
 
 
+def test_a_tenant_without_the_grant_is_refused_before_its_body_is_read(small: LiveApi) -> None:
+    """Its connection cannot have the server hold a package's worth of body: the 403 comes
+    while the body it announced has not been sent."""
+    import socket
+    from urllib.parse import urlsplit
+
+    _, token = small.create_tenant("plain")
+    where = urlsplit(small.url)
+    with socket.create_connection((where.hostname, where.port), timeout=60) as sock:
+        sock.sendall(
+            f"PUT /api/v1/packages/{'0' * 64} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/zip\r\nContent-Length: 4000\r\n\r\nPK".encode()
+        )
+        answer = b""
+        while b"code_upload" not in answer:  # waits for the answer, never for a duration
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 403"), answer
+    assert b"code_upload" in answer
+
+
 def test_uploading_code_takes_the_admins_grant(small: LiveApi) -> None:
     _, token = small.create_tenant("plain")
     refused = put(small.client(token), package())
@@ -122,10 +145,15 @@ def test_a_package_over_a_limit_is_a_413_naming_the_setting(uploader: httpx.Clie
         (zipped({"fusetune.json": json.dumps(manifest()).encode(), "Net.py": b"", "net.py": b""}), "differing only in case"),
         (zipped({"fusetune.json": json.dumps(manifest()).encode(), "caf\u00e9.py": b"", "cafe\u0301.py": b""}), "Unicode form"),
         (zipped({"fusetune.json": json.dumps(manifest()).encode(), "fusetune.json/": b""}), "fusetune.json/"),
+        # Defaults are scalars or lists of them: a small zip of nested lists was 24 MB held per manifest.
+        (package(workload={**WORKLOAD, "optimizer_defaults": {"x": [[]] * 100}}), "optimizer_defaults"),
+        (package(workload={**WORKLOAD, "lr_scheduler_defaults": {"gamma": float("nan")}}), "lr_scheduler_defaults"),
+        (package(workload={**WORKLOAD, "optimizer_defaults": {"lr": 10**400}}), "optimizer_defaults"),
     ],
     ids=[
         "dotdot", "absolute", "symlink", "no-manifest", "no-entry", "pip-option", "empty-space", "unknown-metric", "not-zip",
-        "file-and-folder", "file-under-file", "case", "unicode-form", "manifest-folder",
+        "file-and-folder", "file-under-file", "case", "unicode-form", "manifest-folder", "nested-defaults", "nan-default",
+        "huge-default",
     ],
 )
 def test_what_a_package_holds_is_checked_as_data_with_422s_naming_it(uploader: httpx.Client, data: bytes, named: str) -> None:
