@@ -49,7 +49,9 @@ class BackgroundServer:
         from fusetune.server.app import create_app
 
         self.app = app = create_app(settings, schedule=schedule)
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
+        config = uvicorn.Config(
+            app, host=settings.host, port=settings.port, log_level="warning", limit_concurrency=settings.max_connections
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.url = f"http://{settings.host}:{settings.port}"
@@ -85,7 +87,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "FUSETUNE_ADMIN_TOKEN is not set: no admin over HTTP. Every route still needs a tenant's "
             "token; create tenants with `fusetune tenants create NAME --database`."
         )
-    uvicorn.run(create_app(settings), host=args.host or settings.host, port=args.port or settings.port)
+    uvicorn.run(
+        create_app(settings), host=args.host or settings.host, port=args.port or settings.port,
+        limit_concurrency=settings.max_connections,
+    )
     return 0
 
 

@@ -192,6 +192,19 @@ class Settings(BaseSettings):
         ge=1,
         description="Largest request body accepted, in bytes (chunked bodies included); larger ones get 413.",
     )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a request's body may take to arrive, from its first read; past it the request "
+        "gets 408. A connection that trickles its body, or stops sending it, holds what it sent no longer.",
+    )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        description="Connections the HTTP server serves at once (uvicorn's limit_concurrency); more get 503. "
+        "With FUSETUNE_MAX_BODY_BYTES and FUSETUNE_BODY_TIMEOUT_S, it bounds what unauthenticated "
+        "connections can make the server hold. Each open event stream and dashboard holds one.",
+    )
     package_max_bytes: int = Field(
         64 * 1024 * 1024,
         ge=1,
@@ -210,12 +223,14 @@ class Settings(BaseSettings):
         "is refused before any of it is written); more is a 413 naming this setting.",
     )
     package_call_timeout_s: float = Field(
-        60.0,
+        10.0,
         gt=0,
         description="How long the scheduling loop waits for a code package's describer (the worker process "
         "that builds the package's models on the meta device for trial signatures) to answer one call; past "
-        "it, the package's study fails. Setting up the package's environment (fetching it, installing its "
-        "requirements) does not count: the study waits for it without holding the loop.",
+        "it, the package's study fails. The loop serves every tenant and waits for the answer, so this is "
+        "what one package can hold it for (a model built on the meta device takes milliseconds). Setting up "
+        "the package's environment (fetching it, installing its requirements) and loading its code do not "
+        "count: the study waits for them without holding the loop.",
     )
     package_describers: int = Field(
         8,

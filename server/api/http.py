@@ -50,7 +50,10 @@ def install(app: FastAPI) -> None:
     app.state.metrics = Metrics(app)
     app.state.event_streams = events.StreamSlots(settings.events_max_streams_per_tenant)
     # The last middleware added runs first: every request is timed, refused ones included.
-    app.add_middleware(RequestBodyLimits, max_bytes=settings.max_body_bytes, package_max_bytes=settings.package_max_bytes)
+    app.add_middleware(
+        RequestBodyLimits, max_bytes=settings.max_body_bytes, package_max_bytes=settings.package_max_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     app.add_middleware(RequestMetrics, fastapi=app)
     app.include_router(events.router)
     app.include_router(ops.router)

@@ -8,6 +8,10 @@ caller (413 at the first byte over the limit, or at once from its ``Content-Leng
 * A body over the limit is a 413, whether its ``Content-Length`` says so (answered before
   anything is read) or it is sent in chunks (counted as they arrive; the request stops at
   the first byte over the limit). A body under it is read here and handed on unchanged.
+* A body that has not arrived ``FUSETUNE_BODY_TIMEOUT_S`` after its first read is a 408: a
+  connection that trickles its body, or stops sending it, holds nothing for longer (before
+  authentication, a body is buffered here). With ``FUSETUNE_MAX_CONNECTIONS`` (uvicorn's
+  ``limit_concurrency``) this bounds what unauthenticated connections can make the server hold.
 * A ``POST``, ``PUT``, ``PATCH`` or ``DELETE`` whose body is not JSON is a 415: a
   ``Content-Type`` other than ``application/json`` (or ``application/*+json``), or a body
   with no ``Content-Type`` at all. A cross-site HTML form can send only form data or text,
@@ -16,6 +20,7 @@ caller (413 at the first byte over the limit, or at once from its ``Content-Leng
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from starlette.datastructures import Headers
@@ -41,10 +46,24 @@ def _package_too_large(max_bytes: int) -> str:
 class RequestBodyLimits:
     """ASGI middleware enforcing the body limits (413) and JSON-only writes (415)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, package_max_bytes: int | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, package_max_bytes: int | None = None, body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.package_max_bytes = package_max_bytes if package_max_bytes is not None else max_bytes
+        self.body_timeout_s = body_timeout_s
+
+    def _late(self) -> str:
+        return f"the request body did not arrive within {self.body_timeout_s:g} s (FUSETUNE_BODY_TIMEOUT_S)"
+
+    def _deadline(self, receive: Receive) -> Receive:
+        """``receive`` that gives up (TimeoutError) once the body has taken ``body_timeout_s``:
+        a connection that trickles its body, or stops sending it, cannot hold what it sent."""
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
+
+        async def timed() -> Message:
+            return await asyncio.wait_for(receive(), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+
+        return timed
 
     def _too_large(self) -> JSONResponse:
         return JSONResponse(
@@ -86,8 +105,13 @@ class RequestBodyLimits:
             return
         chunks: list[bytes] = []
         size = 0
+        timed = self._deadline(receive)
         while True:
-            message = await receive()
+            try:
+                message = await timed()
+            except TimeoutError:
+                await JSONResponse({"detail": self._late()}, status_code=408)(scope, receive, send)
+                return
             if message["type"] != "http.request":  # the client went away
                 return
             chunk = message.get("body", b"")
@@ -124,10 +148,14 @@ class RequestBodyLimits:
                 return
         # The Content-Type is the route's to check, after authentication (a 401 comes first).
         size = 0
+        timed = self._deadline(receive)
 
         async def counted() -> Message:
             nonlocal size
-            message = await receive()
+            try:
+                message = await timed()
+            except TimeoutError:  # raised in the route's read of the body: its answer is the 408
+                raise HTTPException(408, self._late()) from None
             if message["type"] == "http.request":
                 size += len(message.get("body", b""))
                 if size > limit:  # raised in the route's read of the body: its answer is the 413

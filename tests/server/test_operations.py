@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pydantic
@@ -77,6 +80,56 @@ def test_a_body_over_the_limit_is_413_by_content_length_and_in_chunks(small: Liv
     response = api.post("/api/v1/studies", content=iter([small_body[:10], small_body[10:]]), headers={"content-type": "application/json"})
     assert response.status_code == 201, response.text
     assert response.json()["name"] == "small"
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """What the server answers on ``sock``, once it has answered (never a guessed duration)."""
+    answer = b""
+    while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
+@pytest.fixture
+def impatient(database_url: str) -> Iterator[LiveApi]:
+    """Bodies must arrive within 0.5 s (the setting shortened: the test waits for the 408, not
+    for a default's 30 s), and two connections at most."""
+    yield from live_api(database_url, body_timeout_s=0.5, max_connections=2)
+
+
+def test_a_body_that_stops_arriving_is_408_and_connections_past_the_limit_are_503(impatient: LiveApi) -> None:
+    """Before authentication a body is buffered: a connection that stops sending it, or many of
+    them, could hold the server's memory; they hold it for FUSETUNE_BODY_TIMEOUT_S at most,
+    FUSETUNE_MAX_CONNECTIONS of them."""
+    where = urlsplit(impatient.url)
+    address = (where.hostname, where.port)
+    with socket.create_connection(address, timeout=60) as sock:  # no token: unauthenticated
+        sock.sendall(b"POST /api/v1/studies HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")  # and nothing more
+        answer = _answer(sock)
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"FUSETUNE_BODY_TIMEOUT_S" in answer
+    held: list[socket.socket] = []
+    try:
+        for _ in range(10):  # connections held open, each once it has been answered
+            held.append(socket.create_connection(address, timeout=60))
+            held[-1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            if _answer(held[-1]).startswith(b"HTTP/1.1 503"):
+                break
+        else:
+            pytest.fail("10 connections open and none refused")
+        assert len(held) <= 3
+    finally:
+        for sock in held:
+            sock.close()
+    # Room again once the server has seen them close (polled: the close is the event).
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{impatient.url}/healthz", timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "the closed connections still count"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(
