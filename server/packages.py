@@ -193,9 +193,13 @@ class Manifest(BaseModel):
             if line.lstrip().startswith("-") or "\n" in line or "\r" in line:
                 raise ValueError(f"{line!r} is not a requirement (pip options are not taken)")
             try:
-                Requirement(line)
+                requirement = Requirement(line)
             except InvalidRequirement as exc:
                 raise ValueError(f"{line!r} is not a requirement: {exc}") from exc
+            # A direct reference (name @ URL) has pip fetch from wherever the URL points, a
+            # file on the node included, as an --index-url would: a name and versions only.
+            if requirement.url is not None:
+                raise ValueError(f"{line!r} is a direct reference (name @ URL): name a package and its versions")
         return lines
 
     def distributions(self) -> dict[str, Any]:

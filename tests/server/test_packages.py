@@ -136,6 +136,8 @@ def test_a_package_over_a_limit_is_a_413_naming_the_setting(uploader: httpx.Clie
         (zipped({"my_net.py": b""}), "fusetune.json"),
         (package(entry=None), "pickle"),
         (package(requirements=["--index-url=http://evil"]), "requirements"),
+        (package(requirements=["einops @ file:///etc/passwd"]), "direct reference"),
+        (package(requirements=["einops @ https://evil.example/einops.whl"]), "direct reference"),
         (package(search_space={}), "search_space"),
         (package(workload={**WORKLOAD, "metric_name": "f1"}), "metric_name"),
         (b"not a zip at all", "zip"),
@@ -151,7 +153,8 @@ def test_a_package_over_a_limit_is_a_413_naming_the_setting(uploader: httpx.Clie
         (package(workload={**WORKLOAD, "optimizer_defaults": {"lr": 10**400}}), "optimizer_defaults"),
     ],
     ids=[
-        "dotdot", "absolute", "symlink", "no-manifest", "no-entry", "pip-option", "empty-space", "unknown-metric", "not-zip",
+        "dotdot", "absolute", "symlink", "no-manifest", "no-entry", "pip-option", "file-reference", "url-reference",
+        "empty-space", "unknown-metric", "not-zip",
         "file-and-folder", "file-under-file", "case", "unicode-form", "manifest-folder", "nested-defaults", "nan-default",
         "huge-default",
     ],
