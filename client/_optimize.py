@@ -113,14 +113,7 @@ def optimize(
         bar = _progress_bar(n_trials) if show_progress_bar else None
         deadline = None if timeout is None else time.monotonic() + timeout
         with Client(url, token=token) as client:
-            try:
-                if packaged is not None:
-                    client.ensure_package(packaged)
-                created = client.submit(body)
-            except FusetuneError as exc:
-                if exc.status_code == _FORBIDDEN:
-                    raise PermissionError(f"the service refused the code: {exc.detail}") from exc
-                raise ValueError(f"the service refused the study: {exc.detail}") from exc
+            created = _submit(client, body, packaged)
             run = _Run(study, client, created["id"], space, search_space, len(study.directions) > 1, bar)
             try:
                 run.until_done(n_trials, n_concurrent or 2 * group, deadline, poll_interval)
@@ -131,6 +124,19 @@ def optimize(
         if bar is not None:
             bar.close()
         study.sampler = original
+
+
+def _submit(client: Client, body: dict[str, Any], packaged: Package | None) -> dict[str, Any]:
+    """The service study, created (the package uploaded first, once); a refusal as the
+    exception the user would expect of it."""
+    try:
+        if packaged is not None:
+            client.ensure_package(packaged)
+        return client.submit(body)
+    except FusetuneError as exc:
+        if exc.status_code == _FORBIDDEN:
+            raise PermissionError(f"the service refused the code: {exc.detail}") from exc
+        raise ValueError(f"the service refused the study: {exc.detail}") from exc
 
 
 def _own_workload(

@@ -112,11 +112,16 @@ def pids(marker: Path, what: str) -> set[int]:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("byo")
+    (root / "wheelhouse").mkdir()
     env = {
         "FUSETUNE_DATABASE_URL": f"sqlite:///{root / 'fusetune.db'}",
         "FUSETUNE_ARTIFACT_DIR": str(root / "artifacts"),
         "FUSETUNE_MAX_ARRAY_SIZE": "4",
         "FUSETUNE_CPU_WORKERS": "1",
+        # The operator's pip configuration, as for a private index: this one a local wheelhouse
+        # (a package's requirements name packages, never where to fetch them).
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(root / "wheelhouse"),
     }
     server = ServiceProcess(env, root / "service.log", secrets.token_urlsafe(24)).start()
     try:
@@ -265,9 +270,10 @@ def test_a_packages_requirements_are_installed_by_ray_where_its_code_runs(
     service: ServiceProcess, token: str, tmp_path: Path
 ) -> None:
     """``requirements`` go to Ray's ``pip`` runtime_env: Ray installs them in an environment of
-    the package's own, and the code imports them there. The requirement is a wheel made here
-    (no index needed) of a module this test's environment does not have."""
-    wheel = _wheel(tmp_path / "wheels", "ft_req_probe", 'WHERE = __file__\n')
+    the package's own, and the code imports them there. The requirement names a wheel made
+    here, of a module this test's environment does not have, which pip finds where the
+    service's operator configured it to look (``PIP_FIND_LINKS``)."""
+    _wheel(Path(service.env["PIP_FIND_LINKS"]), "ft_req_probe", 'WHERE = __file__\n')
     marker = tmp_path / "marker"
     code = tmp_path / "code"
     module = write_module(code, marker, name="byo-requirements")
@@ -279,7 +285,7 @@ def test_a_packages_requirements_are_installed_by_ray_where_its_code_runs(
     with pytest.raises(ImportError):
         importlib.import_module("ft_req_probe")
     study = ft.create_study(
-        workload=f"{module}:WORKLOAD", code=code, n_trials=2, epochs=1, requirements=[f"ft-req-probe @ {wheel.as_uri()}"],
+        workload=f"{module}:WORKLOAD", code=code, n_trials=2, epochs=1, requirements=["ft-req-probe==1.0"],
         sampler=optuna.samplers.RandomSampler(seed=SEED), url=service.url, token=token,
     )
     with Client(service.url, token=token) as client:
