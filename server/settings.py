@@ -223,7 +223,7 @@ class Settings(BaseSettings):
         "is refused before any of it is written); more is a 413 naming this setting.",
     )
     package_call_timeout_s: float = Field(
-        10.0,
+        30.0,
         gt=0,
         description="How long the scheduling loop waits for a code package's describer (the worker process "
         "that builds the package's models on the meta device for trial signatures) to answer one call; past "

@@ -413,7 +413,8 @@ def test_an_interrupted_optimize_fails_its_trials_and_cancels_the_service_study(
 
 
 #: A module whose workload's name is a str of its own, whose unpickling would create the folder
-#: MARKER in whatever process decodes it: the describer sends the name back to the loop.
+#: MARKER in whatever process decodes it: the describer sends the name back to the loop (its
+#: ``__str__`` returns itself, so ``str()`` of it in the describer changes nothing).
 REDUCING = '''
 import os
 import torch
@@ -427,6 +428,9 @@ MARKER = {marker!r}
 class Name(str):
     def __reduce__(self):
         return (os.makedirs, (MARKER,))
+
+    def __str__(self):
+        return self
 
 def build(params):
     return nn.Linear(4, 2)

@@ -35,8 +35,14 @@ class PackageDescriber:
 
     def check(self) -> str:
         """Load the workload (:class:`~fusetune.workers.package.PackageError` with the traceback
-        if its code fails); its name."""
-        return package_workload(self.digest).name
+        if its code fails); its name.
+
+        The loop waits for this call without holding itself, but for the later ones it holds
+        (``FUSETUNE_PACKAGE_CALL_TIMEOUT_S``): so what they import is imported here, not in
+        the first of them (Optuna's samplers took seconds of a loaded machine's first call)."""
+        import fusetune.workers.samplers  # noqa: F401 - non_fusible's import, made before it is timed
+
+        return str(package_workload(self.digest).name)
 
     def describe(self, params: Sequence[Mapping[str, Any]], training: TrainingSpec | None) -> list[Described]:
         """Each trial's signature and memory floor (``workers.signature.trial_model``), or the
