@@ -109,11 +109,10 @@ def pids(marker: Path, what: str) -> set[int]:
     return {int(line.split()[0]) for line in marker.read_text().splitlines() if line.split()[1] == what}
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    root = tmp_path_factory.mktemp("byo")
-    (root / "wheelhouse").mkdir()
-    env = {
+def service_env(root: Path) -> dict[str, str]:
+    """A service of its own in ``root``: its database, artifacts and pip's wheelhouse."""
+    (root / "wheelhouse").mkdir(exist_ok=True)
+    return {
         "FUSETUNE_DATABASE_URL": f"sqlite:///{root / 'fusetune.db'}",
         "FUSETUNE_ARTIFACT_DIR": str(root / "artifacts"),
         "FUSETUNE_MAX_ARRAY_SIZE": "4",
@@ -122,8 +121,16 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
         # (a package's requirements name packages, never where to fetch them).
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": str(root / "wheelhouse"),
+        # A describer held on purpose (test_a_slow_describer_holds_only_its_own_study) must
+        # outlast the other study's whole sweep on a loaded machine.
+        "FUSETUNE_PACKAGE_CALL_TIMEOUT_S": "600",
     }
-    server = ServiceProcess(env, root / "service.log", secrets.token_urlsafe(24)).start()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    root = tmp_path_factory.mktemp("byo")
+    server = ServiceProcess(service_env(root), root / "service.log", secrets.token_urlsafe(24)).start()
     try:
         server.healthy()
         with Client(server.url, token=server.admin_token) as admin:
@@ -520,6 +527,116 @@ def test_code_upload_is_the_admins_to_grant_and_the_same_code_is_stored_once(ser
         assert client.download_package(pkg.digest) == pkg.data
     assert stored.read_bytes() == pkg.data and stored.stat().st_mtime_ns == first.st_mtime_ns
     assert [p.name for p in stored.parent.iterdir()].count(stored.name) == 1
+
+
+#: A workload whose model factory waits while a file exists, except in the test's own process.
+HELD = '''
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from fusetune import Workload
+
+HOLD, MARKER, CLIENT = {hold!r}, {marker!r}, {client}
+
+
+def build(params):
+    if os.getpid() != CLIENT:
+        with open(MARKER, "a") as f:
+            f.write(f"{{os.getpid()}} held\\n")
+        while os.path.exists(HOLD):  # the tenant's code takes its time, in its describer
+            time.sleep(0.05)
+    return nn.Sequential(nn.Linear(4, int(params.get("hidden", 8))), nn.ReLU(), nn.Linear(int(params.get("hidden", 8)), 2))
+
+
+def space(trial):
+    return {{"lr": trial.suggest_float("lr", 0.01, 0.1, log=True), "hidden": trial.suggest_int("hidden", 4, 8)}}
+
+
+def data():
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    return TensorDataset(x, y), TensorDataset(x, y)
+
+
+def accuracy(out, y):
+    return float((out.argmax(-1) == y).float().mean())
+
+
+WORKLOAD = Workload(name="byo-held", build_model=build, search_space=space, datasets=data, loss=F.cross_entropy,
+                    metric=accuracy, batch_size=16)
+'''
+
+
+def held_package(tmp_path: Path) -> tuple[ft.Package, Path, Path]:
+    """The HELD workload packaged, with its hold file in place: the package, the hold and the
+    marker its describer writes to as it enters the factory."""
+    hold, marker = tmp_path / "hold", tmp_path / "held"
+    hold.touch()
+    code = tmp_path / "held-code"
+    code.mkdir()
+    module = f"byo_held_{uuid.uuid4().hex[:8]}"
+    (code / f"{module}.py").write_text(HELD.format(hold=str(hold), marker=str(marker), client=os.getpid()))
+    return ft.package(f"{module}:WORKLOAD", code=code), hold, marker
+
+
+def held_study(client: Client, pkg: ft.Package, marker: Path, fusion_sampler: bool) -> dict:
+    """A study of the held package, once its describer is inside the tenant's factory."""
+    client.ensure_package(pkg)
+    held = client.submit({"workload": "byo-held", "package": pkg.digest, "n_trials": 4, "epochs": 1, "fusion_sampler": fusion_sampler})
+    deadline = time.monotonic() + 600
+    while not (marker.exists() and "held" in marker.read_text()):
+        assert time.monotonic() < deadline, "the describer never built a model"
+        time.sleep(0.05)
+    return held
+
+
+@pytest.mark.parametrize("fusion_sampler", [True, False], ids=["non-fusible-probes", "trial-descriptions"])
+def test_a_slow_describer_holds_only_its_own_study(service: ServiceProcess, token: str, tmp_path: Path, fusion_sampler: bool) -> None:
+    """A package's code answers the loop in its own time: while its describer is stuck in the
+    tenant's model factory (FusionSampler's probes of the space, or the asked trials'
+    descriptions), every other study is scheduled and trains to the end; the held study then
+    goes on where it was."""
+    pkg, hold, marker = held_package(tmp_path)
+    with Client(service.url, token=token) as client:
+        held = held_study(client, pkg, marker, fusion_sampler)
+        other = client.submit({"workload": "digits-mlp", "n_trials": 2, "epochs": 1})
+        assert ended(client, other["id"])["state"] == "COMPLETE"
+        assert client.study(held["id"])["state"] == "RUNNING"
+        assert all(t["state"] == "WAITING" and t["array_id"] is None for t in client.trials(held["id"]))
+        hold.unlink()
+        done = ended(client, held["id"])
+        assert done["state"] == "COMPLETE", done
+        assert {t["state"] for t in client.trials(held["id"])} == {"COMPLETE"}
+
+
+def test_trials_a_killed_service_left_undescribed_are_described_by_the_next(tmp_path: Path) -> None:
+    """The rows are the record: trials asked and written, whose describer had not answered
+    when the whole service was killed, are described again by the service that follows."""
+    pkg, hold, marker = held_package(tmp_path)
+    admin = secrets.token_urlsafe(24)
+    first = ServiceProcess(service_env(tmp_path), tmp_path / "first.log", admin).start()
+    second = ServiceProcess(service_env(tmp_path), tmp_path / "second.log", admin)
+    try:
+        first.healthy()
+        with Client(first.url, token=admin) as client:
+            client.set_code_upload("default", True)
+            held = held_study(client, pkg, marker, fusion_sampler=False)
+            asked = client.trials(held["id"])
+            assert asked and all(t["state"] == "WAITING" for t in asked)
+        first.kill9()
+        hold.unlink()
+        second.start().healthy()
+        with Client(second.url, token=admin) as client:
+            done = ended(client, held["id"])
+            assert done["state"] == "COMPLETE", (done, second.log_tail())
+            assert {t["id"] for t in client.trials(held["id"])} == {t["id"] for t in asked}
+    finally:
+        first.stop()
+        second.stop()
 
 
 def token_of(service: ServiceProcess) -> str:

@@ -10,6 +10,8 @@ and the leadership call; its parts each own their state and say what they may ca
   halting, leaving, moving);
 * ``mirrors`` holds each running study's Optuna study in memory, with its sampler and pruner;
 * ``asking`` asks each running study's sampler for trials;
+* ``describing`` learns each asked trial's fusion key and memory floor (a package's from its
+  describer, in its own time);
 * ``dispatch`` turns the scheduler's decisions into arrays on the devices (start, top up,
   preempt, split onto an idle device);
 * ``recorder`` writes each array-epoch in one transaction and answers its worker;
@@ -39,6 +41,7 @@ from fusetune.server.fencing import fence, take_epoch
 from fusetune.server.loop import recovery, rows
 from fusetune.server.loop.asking import Asker
 from fusetune.server.loop.context import LoopContext
+from fusetune.server.loop.describing import Descriptions
 from fusetune.server.loop.dispatch import Dispatcher
 from fusetune.server.loop.lifecycle import Lifecycle
 from fusetune.server.loop.mirrors import Mirrors
@@ -90,7 +93,8 @@ class SchedulingLoop:
         self.throughput = Throughput(settings, pool, self.scheduler, packages)
         self.lifecycle = Lifecycle(self.ctx)
         self.recorder = Recorder(self.ctx, self.throughput, self.lifecycle)
-        self.asker = Asker(self.ctx, self.lifecycle, self.recorder.notices, self.throughput)
+        self.describing = Descriptions(self.ctx, self.lifecycle, self.recorder.notices, self.throughput)
+        self.asker = Asker(self.ctx, self.lifecycle, self.describing)
         self.dispatcher = Dispatcher(self.ctx, self.scheduler, self.throughput)
         #: The fencing epoch this scheduler took (server/fencing.py), once set up.
         self.epoch: int | None = None
@@ -215,6 +219,7 @@ class SchedulingLoop:
             studies = [s for s in listed if s.state == StudyState.RUNNING and self._usable(session, s)]
             for study in [s for s in listed if s.state in rows.STOPPING]:
                 self.lifecycle.settle(session, study)
+            self.describing.settle(session)  # what the packages' describers have answered
             self._studies_running = len(studies)
             # A study whose last trials were recorded ends first: its stream says so before
             # anything else this round does.

@@ -10,23 +10,13 @@ a recipe that cannot be used, fails that trial there, with its error. A study wh
 or workload raises fails alone (:meth:`Asker.ask_alone`).
 
 A study of a tenant's code package is asked from its manifest's static distributions, and
-its trials' fusion keys come from the package's describer (``server/loop/packages.py``):
-its code never runs here. It is not asked until its describer has loaded the package; a
-package that fails to load fails its study, with the traceback.
+its trials' fusion keys come from the package's describer (``server/loop/packages.py``), in
+its own time (``describing.py``): its code never runs here, and the loop never waits for it.
+It is not asked until its describer has loaded the package, nor again while its last trials
+are being described; a package that fails to load fails its study, with the traceback.
 
-A trial whose model needs more memory than any worker has fails there too, before anything
-allocates it: its model is built on the meta device, and the least it needs to train one
-member (its parameters, their gradients, the state its optimizer keeps with the trial's
-settings, and its buffers: ``fusion.sizing.MemberBytes``) is held against the workers'
-memory budget (``FUSETUNE_WORKER_MEMORY_BYTES``), else the largest worker's memory (CPU
-workers share their node's equally) less the headroom sizing keeps free. An unbounded width in a tenant's search space would otherwise have a
-worker allocate it until the node ran out of memory, and Ray's memory monitor then kills
-whichever worker it picks, another tenant's among them. The same floor caps how many
-members an array of the class gets (``Throughput.size_cap``).
-
-A param that neither a trial's model factory nor its training recipe reads tunes nothing (a
-typo in the space): the trial names it in its user attr ``unused_params`` and the study
-gets a warning.
+What a trial's description decides (its fusion key, a model that cannot be built, one that
+no worker's memory fits, params nothing reads) is ``describing.py``'s.
 """
 
 from __future__ import annotations
@@ -35,10 +25,8 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from optuna.trial import TrialState as OptunaState
 from sqlalchemy.orm import Session
 
-from fusetune.fusion.sizing import HEADROOM
 from fusetune.server import events
 from fusetune.server.db import Study, StudyState, Trial, TrialState, utcnow
 from fusetune.server.db.bulk import insert_returning
@@ -47,11 +35,10 @@ from fusetune.server.db.revisions import inserting_trials
 from fusetune.server.errors import Conflict
 from fusetune.server.loop import rows
 from fusetune.server.loop.context import LoopContext
+from fusetune.server.loop.describing import Descriptions, Undescribed
 from fusetune.server.loop.lifecycle import Lifecycle
 from fusetune.server.loop.mirrors import group_size
-from fusetune.server.loop.notices import StudyWarnings
 from fusetune.server.loop.thread import database_unavailable
-from fusetune.server.loop.throughput import Throughput
 from fusetune.server.mirror import AskedTrial
 from fusetune.server.schemas import parse_search_space
 from fusetune.workers.describer import Described
@@ -63,9 +50,6 @@ __all__ = ["Asker"]
 
 log = logging.getLogger(__name__)
 
-#: The trial user attr that names the params nothing reads.
-UNUSED_ATTR = "unused_params"
-
 
 def _not_run(trial: Any) -> Mapping[str, Any]:
     raise RuntimeError("a package study is asked from its static distributions: its space never runs here")
@@ -74,13 +58,14 @@ def _not_run(trial: Any) -> Mapping[str, Any]:
 class Asker:
     """Asks the studies' samplers for trials (see the module docstring)."""
 
-    def __init__(self, ctx: LoopContext, lifecycle: Lifecycle, notices: StudyWarnings, throughput: Throughput) -> None:
+    def __init__(self, ctx: LoopContext, lifecycle: Lifecycle, describing: Descriptions) -> None:
         self.ctx = ctx
         self.settings = ctx.settings
         self.mirrors = ctx.mirrors
         self.lifecycle = lifecycle
-        self.notices = notices
-        self.throughput = throughput
+        self.describing = describing
+        # Asked trials of package studies, to send to their describers once their rows have committed.
+        self._unsent: list[tuple[Study, list[Undescribed]]] = []
         # A registered workload's unused params, per study and set of param names: the model
         # is built again to find them, once per shape of trial rather than per trial.
         self._unused: dict[tuple[int, frozenset[str]], list[str]] = {}
@@ -100,7 +85,9 @@ class Asker:
         wanted = min(study.n_trials - asked, (self.settings.ask_batch or self.capacity()) - waiting)
         if study.max_concurrent_trials is not None:
             wanted = min(wanted, study.max_concurrent_trials - unfinished)
-        if wanted <= 0 or not self.lifecycle.workload_loads(session, study) or not self._code_ready(session, study):
+        if wanted <= 0 or self.describing.describing(study.id):
+            return False
+        if not self.lifecycle.workload_loads(session, study) or not self._code_ready(session, study):
             return False
         asking = min(wanted, groups * group_size(study, self.settings, len(self.ctx.pool.workers))) if groups else wanted
         try:
@@ -108,8 +95,10 @@ class Asker:
             session.commit()
         except Exception:
             session.rollback()
+            self._unsent.clear()
             self.mirrors.drop(study.id)  # what it asked was not written: reload from the database
             raise
+        self._send()
         return wanted > asking
 
     def _code_ready(self, session: Session, study: Study) -> bool:
@@ -159,8 +148,10 @@ class Asker:
                 session.commit()
             except Exception:
                 session.rollback()
+                self._unsent.clear()
                 self.mirrors.drop(study.id)
                 raise
+            self._send()
             row = session.get_one(Trial, trial_id)
             session.expunge(row)
         self.ctx.wake()
@@ -177,28 +168,20 @@ class Asker:
         if exactly is not None and distributions is not None:
             distributions = {name: d for name, d in distributions.items() if name in exactly}
         asked = mirror.ask(session, wanted, workload.search_space if workload is not None else _not_run, distributions)
-        described = iter(self._describe(study, workload, [t for t in asked if t.error is None]))
+        # A registered workload's trials are described here and now; a package's by its
+        # describer, once they are written (describing.py): until then they wait unsigned.
+        described = iter(self._describe(workload, study, [t for t in asked if t.error is None])) if workload is not None else None
         new: list[dict[str, Any]] = []  # the trials' rows
         unused: set[str] = set()
         for trial in asked:
             row = {"study_id": study.id, "optuna_trial_id": trial.trial_id, "number": trial.number, "params": trial.params,
                    "signature": "", "state": TrialState.WAITING, "error": trial.error, "completed_at": None}
-            if trial.error is None:
-                signature, error, names, least_bytes = next(described)
-                row["signature"], row["error"] = signature, error or self._too_large(signature, least_bytes)
-                if row["error"] is not None:  # the workload's model rejected these params, or no worker fits it
-                    mirror.tell(session, trial.trial_id, OptunaState.FAIL)
-                elif names:
-                    mirror.set_user_attrs(session, trial.trial_id, {UNUSED_ATTR: names})
-                    unused.update(names)
+            if trial.error is None and described is not None:
+                row["signature"], row["error"] = self.describing.judge(session, mirror, trial.trial_id, next(described), unused)
             if row["error"] is not None:
                 row["state"], row["completed_at"] = TrialState.FAIL, utcnow()
             new.append(row)
-        if unused:
-            self.notices.add(session, study.id, [
-                f"params {sorted(unused)} are read by neither the model factory nor the training recipe: they tune "
-                f"nothing (a typo in the search space?); each trial names them in its user attr {UNUSED_ATTR!r}"
-            ])
+        self.describing.warn_unused(session, study.id, unused)
         if not new:
             return []
         # One statement for the batch (the unit of work's flush of 64 trials cost more than
@@ -210,33 +193,21 @@ class Asker:
             events.record(session, "trial.asked", **where, number=row["number"], params=row["params"], state=TrialState(row["state"]).value)
             if row["state"] == TrialState.FAIL:
                 events.record(session, "trial.ended", **where, state="FAIL", value=None, error=row["error"])
+        if described is None:
+            self._unsent.append((study, [Undescribed(i, row["optuna_trial_id"], row["params"])
+                                         for i, row in zip(ids, new, strict=True) if row["state"] == TrialState.WAITING]))
         return ids
 
-    def _too_large(self, signature: str, least_bytes: int) -> str | None:
-        """Why a trial whose member needs ``least_bytes`` to train cannot train anywhere, or
-        None; a class that fits has its arrays capped by it (see the module docstring)."""
-        budget = self.settings.worker_memory_bytes
-        workers = self.ctx.pool.workers
-        if budget is not None:
-            limit, whose = budget, "the workers' memory budget (FUSETUNE_WORKER_MEMORY_BYTES)"
-        elif workers:
-            limit = int(max(w.memory_bytes for w in workers) * (1 - HEADROOM))
-            whose = f"the largest worker's memory less the {HEADROOM:.0%} that sizing keeps free"
-        else:
-            return None  # no worker yet: nothing to hold it against
-        if least_bytes <= limit:
-            self.throughput.note_least_bytes(signature, least_bytes)
-            return None
-        return (f"its model needs at least {_gib(least_bytes)} to train one member (its parameters, their "
-                f"gradients, its optimizer's state and its buffers, before any activation), more than "
-                f"{whose}, {_gib(limit)}: no worker can train it")
+    def _send(self) -> None:
+        """Send the package trials just committed to their describers."""
+        unsent, self._unsent = self._unsent, []
+        for study, trials in unsent:
+            self.describing.send(study, trials)
 
-    def _describe(self, study: Study, workload: Workload | None, trials: list[AskedTrial]) -> list[Described]:
-        """Each trial's fusion key, the error its model's factory raised, and its unused params:
-        from the package's describer, or (a registered workload) built here on the meta device."""
+    def _describe(self, workload: Workload, study: Study, trials: list[AskedTrial]) -> list[Described]:
+        """Each trial's fusion key, the error its model's factory raised, its unused params and
+        its memory floor, built here on the meta device (a registered workload: the service's code)."""
         training = study.config.training
-        if workload is None:
-            return self.ctx.packages.describe(study, [t.params for t in trials], training)
         out: list[Described] = []
         for trial in trials:
             try:
@@ -251,7 +222,3 @@ class Asker:
                 self._unused[key] = unused_params(workload, trial.params, training)
             out.append((model.signature, None, self._unused[key], model.least_bytes))
         return out
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):,.1f} GiB" if n >= 1 << 28 else f"{n / (1 << 20):,.1f} MiB"

@@ -138,7 +138,9 @@ class Dispatcher:
         (None: nothing waits). Preemptions are asked for and extended leases kept here."""
         idle = {w.name: w for w in self.ctx.pool.idle()}
         studies = {s.id: s for s in listed if s.state == StudyState.RUNNING}
-        found = [(t, studies[t.study_id]) for t in rows.unfinished(session) if t.study_id in studies]
+        # A package's trial waits unsigned until its describer answers (describing.py): it
+        # is nobody's class yet, so no round places it.
+        found = [(t, studies[t.study_id]) for t in rows.unfinished(session) if t.study_id in studies and t.signature]
         waiting = {t.id: (t, study) for t, study in found if t.array_id is None and t.state == TrialState.WAITING}
         self._start_moves(session, found, idle, waiting)
         if not waiting:

@@ -19,7 +19,9 @@ Once ready, each call waits at most
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +30,7 @@ import ray
 
 from fusetune.server import packages
 from fusetune.server.db import Study
+from fusetune.server.schemas import parse_search_space
 from fusetune.server.settings import Settings
 from fusetune.workers import untrusted
 from fusetune.workers.describer import Described, PackageDescriber
@@ -39,6 +42,9 @@ __all__ = ["PackageRuntime"]
 
 log = logging.getLogger(__name__)
 
+#: Non-fusible answers a describer keeps, by search space (one per study that got ready).
+_SPACES_KEPT = 64
+
 
 class _Describer:
     """One package's describer actor and its first call, the package's check."""
@@ -49,6 +55,9 @@ class _Describer:
         self.actor = actor
         self.checked: ray.ObjectRef = self.actor.check.remote()  # the package loads (or its traceback)
         self.ok = False
+        self.inflight = 0  # describe calls sent and not yet taken up: it is not evicted meanwhile
+        # (study space) -> its non_fusible call, sent as the study got ready, and when.
+        self.non_fusible: dict[str, tuple[ray.ObjectRef, float]] = {}
 
 
 class PackageRuntime:
@@ -66,9 +75,10 @@ class PackageRuntime:
         found = self._describers.get(digest)
         if found is None:
             found = self._describers[digest] = _Describer(digest, self.env(digest))
-            while len(self._describers) > self.settings.package_describers:
-                _, old = self._describers.popitem(last=False)
-                ray.kill(old.actor, no_restart=True)
+            # The least recently used go, but never one whose answers the loop still awaits.
+            idle = [d for d, describer in self._describers.items() if d != digest and not describer.inflight]
+            for old in idle[: max(0, len(self._describers) - self.settings.package_describers)]:
+                ray.kill(self._describers.pop(old).actor, no_restart=True)
         self._describers.move_to_end(digest)
         return found
 
@@ -81,14 +91,23 @@ class PackageRuntime:
         if study.package is None:
             return True
         describer = self._describer(study.package)
-        if describer.ok:
+        if not describer.ok:
+            done, _ = ray.wait([describer.checked], timeout=0)
+            if not done:
+                return False
+            self._get(study.package, describer.checked, "load its workload")
+            describer.ok = True
+        if not study.config.fusion_sampler or not study.search_space:
             return True
-        done, _ = ray.wait([describer.checked], timeout=0)
-        if not done:
-            return False
-        self._get(study.package, describer.checked, "load its workload")
-        describer.ok = True
-        return True
+        # FusionSampler's non-fusible params, found once per space while the loop goes on.
+        space = json.dumps(study.search_space, sort_keys=True)
+        if space not in describer.non_fusible:
+            if len(describer.non_fusible) >= _SPACES_KEPT:  # the mirrors keep the answers they took
+                describer.non_fusible.pop(next(iter(describer.non_fusible)))
+            ref = describer.actor.non_fusible.remote(dict(parse_search_space(study.search_space)))
+            describer.non_fusible[space] = (ref, time.monotonic())
+        ref, since = describer.non_fusible[space]
+        return self._answered(study.package, ref, since, "find its non-fusible params")
 
     def warm(self, pool: WorkerPool, studies: Sequence[Study]) -> list[WorkerHandle]:
         """Start idle workers in the env of each running study's package whose describer is
@@ -121,21 +140,41 @@ class PackageRuntime:
             log.info("%d idle workers start in the env of the code packages being loaded", len(restarted))
         return restarted
 
-    def describe(self, study: Study, params: Sequence[Mapping[str, Any]], training: TrainingSpec | None) -> list[Described]:
-        """Each trial's signature, error and unused params (``PackageDescriber.describe``)."""
+    def describe(self, study: Study, params: Sequence[Mapping[str, Any]], training: TrainingSpec | None) -> ray.ObjectRef:
+        """Send trials to be described (``PackageDescriber.describe``): read the answer with :meth:`described`."""
         assert study.package is not None
-        actor = self._describer(study.package).actor
-        return list(self._get(study.package, actor.describe.remote([dict(p) for p in params], training), "describe its trials"))
+        describer = self._describer(study.package)
+        describer.inflight += 1
+        ref: ray.ObjectRef = describer.actor.describe.remote([dict(p) for p in params], training)
+        return ref
+
+    def described(self, study: Study, ref: ray.ObjectRef, since: float) -> list[Described] | None:
+        """The answer of a :meth:`describe` call sent at ``since``: each trial's signature, error,
+        unused params and memory floor; None while the describer works on it.
+
+        Raises:
+            PackageError: it failed, or has not answered in ``package_call_timeout_s``.
+        """
+        assert study.package is not None
+        if not self._answered(study.package, ref, since, "describe its trials"):
+            return None
+        describer = self._describers.get(study.package)
+        if describer is not None:
+            describer.inflight -= 1
+        return list(self._get(study.package, ref, "describe its trials"))
 
     def non_fusible(self, study: Study, distributions: Mapping[str, Any]) -> frozenset[str]:
-        """The params of the study's space that change its trials' signatures.
+        """The params of the study's space that change its trials' signatures: the answer found
+        while the study got ready, or (a study asked before this process knew it) found now.
 
         Raises:
             ValueError: no probe of the space built a model (as ``non_fusible_params``).
         """
         assert study.package is not None
-        actor = self._describer(study.package).actor
-        found = self._get(study.package, actor.non_fusible.remote(dict(distributions)), "find its non-fusible params")
+        describer = self._describer(study.package)
+        sent = describer.non_fusible.get(json.dumps(study.search_space, sort_keys=True))
+        ref = sent[0] if sent is not None else describer.actor.non_fusible.remote(dict(distributions))
+        found = self._get(study.package, ref, "find its non-fusible params")
         if isinstance(found, str):
             raise ValueError(found)
         return frozenset(found)
@@ -146,14 +185,26 @@ class PackageRuntime:
         assert study.package is not None
         return self._describer(study.package).actor.memory_model.remote(params, training)
 
+    def _answered(self, digest: str, ref: ray.ObjectRef, since: float, doing: str) -> bool:
+        """Whether a call sent at ``since`` has answered (PackageError once it is overdue)."""
+        if ray.wait([ref], timeout=0)[0]:
+            return True
+        if time.monotonic() - since > self.settings.package_call_timeout_s:
+            self._forget(digest)
+            raise self._overdue(digest, doing)
+        return False
+
+    def _overdue(self, digest: str, doing: str) -> PackageError:
+        return PackageError(f"its code package {digest[:12]} did not {doing} in {self.settings.package_call_timeout_s:.0f} s "
+                            "(FUSETUNE_PACKAGE_CALL_TIMEOUT_S)")
+
     def _get(self, digest: str, ref: ray.ObjectRef, doing: str) -> Any:
         timeout = self.settings.package_call_timeout_s
         try:
             return untrusted.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             self._forget(digest)
-            raise PackageError(f"its code package {digest[:12]} did not {doing} in {timeout:.0f} s "
-                               "(FUSETUNE_PACKAGE_CALL_TIMEOUT_S)") from None
+            raise self._overdue(digest, doing) from None
         except ray.exceptions.RuntimeEnvSetupError as exc:
             self._forget(digest)
             raise PackageError(f"its code package {digest[:12]}'s runtime environment could not be set up: {exc}") from None
