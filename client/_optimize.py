@@ -17,13 +17,13 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from ._client import Client, FusetuneError
 from ._package import Package, _entry, package
@@ -62,6 +62,7 @@ def optimize(
     n_concurrent: int | None = None,
     fusion_sampler: bool = True,
     timeout: float | None = None,
+    callbacks: Sequence[Callable[[optuna.Study, FrozenTrial], None]] | None = None,
     show_progress_bar: bool = False,
     poll_interval: float = 0.05,
     url: str | None = None,
@@ -87,6 +88,10 @@ def optimize(
         n_concurrent: trials in flight at once (default: two arrays' worth).
         fusion_sampler: wrap the study's sampler in FusionSampler while this runs.
         timeout: seconds after which no new trial is asked; those in flight still finish.
+        callbacks: called with the study and each trial as it ends there (COMPLETE, PRUNED or
+            FAIL), in this process, as ``study.optimize`` calls them. One that calls
+            ``study.stop()`` (Optuna's ``MaxTrialsCallback`` does) ends the asking; the
+            trials in flight still finish.
         show_progress_bar: a tqdm bar of trials done and the best value.
         poll_interval: seconds between reads of the service's records.
         url, token: the service and the tenant's token (``FUSETUNE_URL``, ``FUSETUNE_TOKEN``).
@@ -96,10 +101,7 @@ def optimize(
             service rejected.
         PermissionError: the tenant may not upload code (the admin grants ``code_upload``).
     """
-    if n_trials < 1:
-        raise ValueError(f"n_trials must be positive, not {n_trials}")
-    if epochs < 1:
-        raise ValueError(f"epochs must be positive, not {epochs}")
+    _check(n_trials, epochs, callbacks)
     group = max_array_size or _DEFAULT_GROUP
     workload, packaged = _own_workload(workload, code, requirements, excludes, search_space)
     space = _space(workload)
@@ -114,9 +116,10 @@ def optimize(
         deadline = None if timeout is None else time.monotonic() + timeout
         with Client(url, token=token) as client:
             created = _submit(client, body, packaged)
-            run = _Run(study, client, created["id"], space, search_space, len(study.directions) > 1, bar)
+            run = _Run(study, client, created["id"], space, search_space, len(study.directions) > 1, bar, list(callbacks or ()))
             try:
-                run.until_done(n_trials, n_concurrent or 2 * group, deadline, poll_interval)
+                with _optimizing(study):
+                    run.until_done(n_trials, n_concurrent or 2 * group, deadline, poll_interval)
             except BaseException:  # Ctrl-C, a refused enqueue, the service gone: see _Run.abandon
                 run.abandon()
                 raise
@@ -124,6 +127,31 @@ def optimize(
         if bar is not None:
             bar.close()
         study.sampler = original
+
+
+def _check(n_trials: int, epochs: int, callbacks: Sequence[Any] | None) -> None:
+    """optimize's arguments checked before anything is packaged or sent (a ValueError naming one)."""
+    if n_trials < 1:
+        raise ValueError(f"n_trials must be positive, not {n_trials}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be positive, not {epochs}")
+    if not all(callable(c) for c in callbacks or ()):
+        raise ValueError("callbacks must be callables of (study, frozen_trial)")
+
+
+@contextlib.contextmanager
+def _optimizing(study: optuna.Study) -> Iterator[None]:
+    """The study is in an optimize loop meanwhile, as ``study.optimize`` marks it, so that
+    ``study.stop()`` from a callback is allowed and ends the asking. Optuna keeps both marks
+    private (``_thread_local.in_optimize_loop``, ``_stop_flag``) and reads them only there."""
+    local = study._thread_local
+    if getattr(local, "in_optimize_loop", False):
+        raise RuntimeError("Nested optimization is not allowed.")  # as study.optimize refuses it
+    local.in_optimize_loop, study._stop_flag = True, False
+    try:
+        yield
+    finally:
+        local.in_optimize_loop = False
 
 
 def _submit(client: Client, body: dict[str, Any], packaged: Package | None) -> dict[str, Any]:
@@ -207,6 +235,7 @@ class _Run:
     search_space: Mapping[str, optuna.distributions.BaseDistribution] | None
     multi: bool
     bar: Any
+    callbacks: Sequence[Callable[[optuna.Study, FrozenTrial], None]] = ()
     inflight: dict[int, _Tracked] = field(default_factory=dict)
     asked: int = 0
     done: int = 0
@@ -216,7 +245,8 @@ class _Run:
         deadline passed), then until every asked trial has ended."""
 
         def may_ask() -> bool:
-            return self.asked < n_trials and (deadline is None or time.monotonic() < deadline)
+            stopped = getattr(self.study, "_stop_flag", False)  # study.stop(), from a callback
+            return self.asked < n_trials and not stopped and (deadline is None or time.monotonic() < deadline)
 
         while self.done < self.asked or may_ask():
             while len(self.inflight) < n_concurrent and may_ask():
@@ -257,16 +287,19 @@ class _Run:
             tracked = self.inflight.get(row["id"])
             if tracked is None:
                 continue
-            if _follow(self.study, self.client, row, tracked, self.multi):
+            ended = _follow(self.study, self.client, row, tracked, self.multi)
+            if ended is not None:
                 del self.inflight[row["id"]]
                 self.done += 1
                 if self.bar is not None:
                     self.bar.update(1)
                     _show_best(self.bar, self.study, self.multi)
+                for callback in self.callbacks:
+                    callback(self.study, ended)
 
 
-def _follow(study: optuna.Study, client: Client, row: dict[str, Any], tracked: _Tracked, multi: bool) -> bool:
-    """Bring one service trial's news into the user's trial; True once it has ended."""
+def _follow(study: optuna.Study, client: Client, row: dict[str, Any], tracked: _Tracked, multi: bool) -> FrozenTrial | None:
+    """Bring one service trial's news into the user's trial; the trial as it ended, once it has."""
     trial = tracked.trial
     # JSON keys are strings, and a non-finite value (a diverged epoch) is JSON's null.
     values_by_step = {int(step): math.nan if value is None else value for step, value in row["intermediate_values"].items()}
@@ -278,14 +311,11 @@ def _follow(study: optuna.Study, client: Client, row: dict[str, Any], tracked: _
                 tracked.reported.add(step)
     state = row["state"]
     if state == "COMPLETE":
-        study.tell(trial, row["values"] or row["value"])
-        return True
+        return study.tell(trial, row["values"] or row["value"])
     if state == "FAIL":
-        study.tell(trial, state=TrialState.FAIL)
-        return True
+        return study.tell(trial, state=TrialState.FAIL)
     if state == "PRUNED":
-        study.tell(trial, state=TrialState.PRUNED)
-        return True
+        return study.tell(trial, state=TrialState.PRUNED)
     if state == "RUNNING" and steps and steps[-1] not in tracked.decided:
         step = steps[-1]
         prune = False if multi else bool(trial.should_prune())  # pruners may answer numpy.bool_
@@ -294,12 +324,11 @@ def _follow(study: optuna.Study, client: Client, row: dict[str, Any], tracked: _
         except FusetuneError as exc:
             if exc.status_code != _CONFLICT:
                 raise
-            return False  # it ended meanwhile (its last epoch): the next read says how
+            return None  # it ended meanwhile (its last epoch): the next read says how
         tracked.decided.add(step)
         if prune:
-            study.tell(trial, state=TrialState.PRUNED)
-            return True
-    return False
+            return study.tell(trial, state=TrialState.PRUNED)
+    return None
 
 
 def _plain(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,6 +57,14 @@ class StudyCalls(Connection):
         return self._call("DELETE", f"/api/v1/studies/{study_id}")
 
     def set_study_user_attr(self, study_id: int, key: str, value: Any) -> dict[str, Any]:
+        """Optuna's ``study.set_user_attr``: the study, with ``key`` set to ``value`` (JSON).
+
+        Raises:
+            ValueError: naming ``key`` if it is empty or holds NUL (the service's key is one
+                URL path segment of 1-512 characters).
+        """
+        if not key or "\x00" in key:
+            raise ValueError(f"key: a study's user attr key must be 1-512 characters without NUL, not {key!r}")
         return self._call("PUT", f"/api/v1/studies/{study_id}/user_attrs/{segment(key)}", json={"value": value})
 
     def wait(self, study_id: int, timeout: float = 600.0, poll: float = 1.0, on_poll: Any = None) -> dict[str, Any]:

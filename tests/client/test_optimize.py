@@ -104,3 +104,37 @@ def test_an_unreachable_service_leaves_the_users_sampler_as_it_was() -> None:
     with pytest.raises(httpx.ConnectError):
         ft.optimize(study, "digits-mlp", n_trials=2, url=f"http://127.0.0.1:{free_port()}", token="unused")
     assert study.sampler is sampler
+
+
+def test_callbacks_see_each_trial_as_it_ends_and_may_stop_the_asking(service: Client) -> None:
+    """As ``study.optimize``: each callback gets the study and the trial as it ended, and Optuna's
+    ``MaxTrialsCallback`` (which calls ``study.stop()``) ends the asking."""
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    seen: list[tuple[int, optuna.trial.TrialState, float | None]] = []
+
+    def record(s: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        assert s is study and s.trials[trial.number].state == trial.state  # told before the call
+        seen.append((trial.number, trial.state, trial.value))
+
+    stop = optuna.study.MaxTrialsCallback(3, states=(optuna.trial.TrialState.COMPLETE,))
+    ft.optimize(study, "digits-mlp", n_trials=8, epochs=1, n_concurrent=1, callbacks=[record, stop],
+                url=service.url, token=service.token)
+    assert [number for number, _, _ in seen] == [0, 1, 2] and len(study.trials) == 3
+    assert all(state == optuna.trial.TrialState.COMPLETE and value is not None for _, state, value in seen)
+    with pytest.raises(RuntimeError, match="Study.stop"):
+        study.stop()  # outside optimize again, as Optuna has it
+
+
+def test_a_callback_that_raises_ends_optimize_with_its_error_and_cancels_the_rest(service: Client) -> None:
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+
+    def broken(s: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        raise KeyError("the user's callback is broken")
+
+    with pytest.raises(KeyError, match="broken"):
+        ft.optimize(study, "digits-mlp", n_trials=4, epochs=1, n_concurrent=2, callbacks=[broken],
+                    url=service.url, token=service.token)
+    states = [t.state for t in study.trials]
+    assert states.count(optuna.trial.TrialState.COMPLETE) >= 1 and optuna.trial.TrialState.RUNNING not in states
+    with pytest.raises(ValueError, match="callbacks"):
+        ft.optimize(study, "digits-mlp", n_trials=1, callbacks=["not callable"], url=service.url, token=service.token)  # type: ignore[list-item]

@@ -51,6 +51,9 @@ def test_user_attr_keys_reach_the_service_as_sent(live: LiveApi) -> None:
         answer = client.set_study_user_attr(study["id"], key, k)
         assert answer["user_attrs"].get(key) == k, (key, answer["user_attrs"])
     assert client.study(study["id"])["user_attrs"] == {key: k for k, key in enumerate(KEYS)}
+    for key in ["", "nul\x00inside"]:  # no path segment holds them: refused here, naming the key, not a 404
+        with pytest.raises(ValueError, match="^key: "):
+            client.set_study_user_attr(study["id"], key, 1)
     client.close()
 
 
