@@ -28,8 +28,10 @@ dispatches (``dispatch.py``); once the asking transaction has committed their pa
 the describer (:meth:`Descriptions.send`), and each step takes up the answers that have come
 (:meth:`Descriptions.settle`; the answer's arrival wakes the loop). A study is not asked
 again while its trials are being described, so a describer holds one call per study at a
-time. One that has not answered in ``FUSETUNE_PACKAGE_CALL_TIMEOUT_S``, raised, died or
-answered with what the service does not decode fails its study, and only it. The rows are
+time. Trials asked before the package has loaded in its describer (a client-driven study's
+first enqueues) are held until it has: setting up its env is not a call's time. A call that
+has not answered ``FUSETUNE_PACKAGE_CALL_TIMEOUT_S`` after it was sent, or raised, died or
+answered with what the service does not decode, fails its study, and only it. The rows are
 the record: trials left undescribed by an earlier process are described again at the first
 step.
 """
@@ -95,8 +97,9 @@ class Descriptions:
         self.notices = notices
         self.throughput = throughput
         self._calls: dict[int, list[_Call]] = {}  # study id -> its calls in flight, oldest first
-        # Study id -> trials an earlier process asked and never had described: sent once the
-        # package has loaded again (setting its env up is not a call's time).
+        # Study id -> trials to send once the package has loaded (setting its env up is not a
+        # call's time): a client-driven study's first enqueues, and what an earlier process
+        # asked and never had described.
         self._unsent: dict[int, list[Undescribed]] = {}
         self._recovered = False
 
@@ -150,8 +153,17 @@ class Descriptions:
         return study_id in self._calls or study_id in self._unsent
 
     def send(self, study: Study, trials: Sequence[Undescribed]) -> None:
-        """Send these trials of a package study (committed, WAITING, no signature) to its describer."""
+        """Send these trials of a package study (committed, WAITING, no signature) to its
+        describer; until the package has loaded there (a client-driven study's first enqueue),
+        they are held, and sent by :meth:`settle` once it has: setting up its env is not the call's time."""
         if not trials:
+            return
+        try:
+            ready = self.ctx.packages.ready(study)
+        except PackageError:
+            ready = False  # settle fails the study, with the reason
+        if not ready:
+            self._unsent.setdefault(study.id, []).extend(trials)
             return
         ref = self.ctx.packages.describe(study, [dict(t.params) for t in trials], study.config.training)
         self._calls.setdefault(study.id, []).append(_Call(ref, time.monotonic(), list(trials)))
@@ -162,11 +174,14 @@ class Descriptions:
         """Take up the describers' answers that have come: each trial gets its signature (it
         may be dispatched now) or fails; a describer that failed, or overran its time, fails its
         study. Trials an earlier process left undescribed are sent again first."""
-        if not self._recovered:
-            self._unsent = self._undescribed(session)
+        if not self._recovered:  # an enqueue may have come before this first step: not twice
+            known = {t.trial_id for calls in self._calls.values() for call in calls for t in call.trials}
+            known |= {t.trial_id for held in self._unsent.values() for t in held}
+            for study_id, trials in self._undescribed(session).items():
+                self._unsent.setdefault(study_id, []).extend(t for t in trials if t.trial_id not in known)
             self._recovered = True
         for study_id in list(self._unsent):
-            self._resend(session, study_id)
+            self._send_held(session, study_id)
         for study_id in list(self._calls):
             study = session.get(Study, study_id)
             if study is None or study.state not in (StudyState.RUNNING, StudyState.PAUSED):
@@ -242,8 +257,8 @@ class Descriptions:
             by_study.setdefault(study_id, []).append(Undescribed(trial_id, optuna_trial_id, params))
         return by_study
 
-    def _resend(self, session: Session, study_id: int) -> None:
-        """Send a study's trials left undescribed by an earlier process, once its package has loaded."""
+    def _send_held(self, session: Session, study_id: int) -> None:
+        """Send a study's held trials, once its package has loaded."""
         study = session.get(Study, study_id)
         if study is None or study.state not in (StudyState.RUNNING, StudyState.PAUSED):
             del self._unsent[study_id]
@@ -255,9 +270,7 @@ class Descriptions:
             del self._unsent[study_id]
             self.lifecycle.fail(session, study, str(exc))
             return
-        trials = self._unsent.pop(study_id)
-        log.info("study %d: %d trials asked before a restart are described again", study.id, len(trials))
-        self.send(study, trials)
+        self.send(study, self._unsent.pop(study_id))
 
 
 def _gib(n: int) -> str:
