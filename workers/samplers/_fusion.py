@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from optuna.distributions import BaseDistribution
-from optuna.samplers import BaseSampler
+from optuna.samplers import BaseSampler, BruteForceSampler, GridSampler
 from optuna.storages import InMemoryStorage
 from optuna.study import Study
 from optuna.trial import FrozenTrial, TrialState
@@ -43,6 +43,9 @@ __all__ = ["ATTR", "FusionSampler", "fusion_group"]
 #: tells a trial's own record from one copied onto another trial (RetryFailedTrialCallback
 #: copies every system attr of the failed trial to its retry).
 ATTR = "fusion_sampler"
+
+#: Samplers that enumerate their space: each point once, so FusionSampler leaves their choices be.
+_ENUMERATING = (GridSampler, BruteForceSampler)
 
 #: Trials that are still running for the purpose of keeping their group open.
 _LIVE = (TrialState.RUNNING, TrialState.WAITING)
@@ -228,6 +231,11 @@ class FusionSampler(BaseSampler):
     in the parameter's distribution in this trial (a dynamic space), the trial leaves for a
     new group and the base sampler chooses.
 
+    A sampler that enumerates its space (``GridSampler``, ``BruteForceSampler``) is left to
+    choose every value itself: putting a group's values over the point it picked would try
+    that point's neighbour twice and never try the point, so the grid would not be covered.
+    Its trials that share a shape still train as one array (the service fuses by signature).
+
     Args:
         base_sampler: the sampler that chooses every value (TPE, GP, CMA-ES, NSGA-II, ...).
         non_fusible: names of the parameters that must be equal for trials to share an
@@ -254,6 +262,7 @@ class FusionSampler(BaseSampler):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         self._base = base_sampler
+        self._enumerates = isinstance(base_sampler, _ENUMERATING)
         self._non_fusible = names
         self._group_size = group_size
         # What finished trials say, per storage and study (see _Finished); never pickled.
@@ -319,6 +328,8 @@ class FusionSampler(BaseSampler):
     def before_trial(self, study: Study, trial: FrozenTrial) -> None:
         """The base sampler's ``before_trial``, then the trial joins a group or opens one."""
         self._base.before_trial(study, trial)
+        if self._enumerates:
+            return
         with _lock_of(study._storage):
             self._place(study, trial._trial_id)
 
@@ -334,7 +345,7 @@ class FusionSampler(BaseSampler):
         with _lock_of(study._storage):
             proposed = self._base.sample_relative(study, trial, search_space)
             names = [n for n in proposed if n in self._non_fusible and n in search_space]
-            if not names:
+            if not names or self._enumerates:
                 return proposed
             out = dict(proposed)
             member, view = self._member(study, trial._trial_id)
@@ -360,7 +371,7 @@ class FusionSampler(BaseSampler):
     def sample_independent(
         self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
     ) -> Any:
-        if param_name not in self._non_fusible:
+        if param_name not in self._non_fusible or self._enumerates:
             return self._base.sample_independent(study, trial, param_name, param_distribution)
         with _lock_of(study._storage):
             member, view = self._member(study, trial._trial_id)
