@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import threading
 import warnings
 from typing import Any
 
@@ -26,8 +27,11 @@ import optuna
 __all__ = ["component_spec"]
 
 _SEED_RANGE = 2**31
-# State that a sampler derives from the study it has seen, not from its arguments.
-_CACHES: tuple[type, ...] = (optuna.search_space.IntersectionSearchSpace,)
+#: The seeds numpy's RandomState takes (QMCSampler passes its seed on to one).
+_NUMPY_SEEDS = range(2**32)
+# State that a sampler derives from the study it has seen, or keeps for its threads (NSGA-II's
+# lock), not from its arguments.
+_CACHES: tuple[type, ...] = (optuna.search_space.IntersectionSearchSpace, type(threading.Lock()), type(threading.RLock()))
 # Arguments an object keeps shuffled by its random state: the same values in the rebuilt one,
 # in the order the spec's seed gives them (GridSampler's points).
 _SHUFFLED = {(optuna.samplers.GridSampler, "_all_grids")}
@@ -61,11 +65,17 @@ def component_spec(obj: optuna.samplers.BaseSampler | optuna.pruners.BasePruner)
             "FutureWarning and removes them in a later major version): the service does not take "
             "deprecated arguments, so that a stored study still rebuilds after an upgrade; build it without them"
         )
+    drawn: frozenset[str] = frozenset()
     if "seed" in defaults:
         rng = _random_state(obj)
         if rng is not None:
             kwargs["seed"] = int(copy.deepcopy(rng).randint(_SEED_RANGE))
-    difference = _rebuild_difference(obj, kwargs)
+        elif isinstance(kwargs.get("seed"), int) and kwargs["seed"] not in _NUMPY_SEEDS:
+            # An unseeded QMCSampler draws a 64-bit seed of its own, which it cannot be built
+            # with: the service's copy draws its own too.
+            del kwargs["seed"]
+            drawn = frozenset({"_seed"})
+    difference = _rebuild_difference(obj, kwargs, drawn)
     if difference is not None:
         raise ValueError(
             f"{cls.__name__} cannot be rebuilt from its class and JSON arguments: {difference} "
@@ -74,7 +84,7 @@ def component_spec(obj: optuna.samplers.BaseSampler | optuna.pruners.BasePruner)
     # Keep only the arguments the object needs: what the service shows is what the user wrote.
     for name in [k for k in kwargs if k != "seed"]:
         fewer = {k: v for k, v in kwargs.items() if k != name}
-        if _rebuild_difference(obj, fewer) is None:
+        if _rebuild_difference(obj, fewer, drawn) is None:
             kwargs = fewer
     return {"name": cls.__name__, "kwargs": kwargs}
 
@@ -112,12 +122,16 @@ def _deprecated(cls: type, kwargs: dict[str, Any]) -> list[str]:
     return named or ([f"arguments it warns about ({'; '.join(messages)})"] if messages else [])
 
 
-def _rebuild_difference(obj: Any, kwargs: dict[str, Any]) -> str | None:
+def _rebuild_difference(obj: Any, kwargs: dict[str, Any], drawn: frozenset[str] = frozenset()) -> str | None:
+    """Where ``type(obj)(**kwargs)`` differs from ``obj``, or None; ``drawn``: the object's own
+    attributes that it drew at random when built (each copy draws its own)."""
     cls = type(obj)
     try:
         rebuilt = cls(**kwargs)
     except (TypeError, ValueError) as exc:
         return f"{cls.__name__}(**{kwargs}) raises {exc}"
+    for name in drawn:
+        setattr(rebuilt, name, getattr(obj, name))
     difference = _difference(obj, rebuilt, cls.__name__)
     return None if difference is None else f"{difference} differs"
 

@@ -32,6 +32,7 @@ from ._client import Client, FusetuneError
 __all__ = ["ReadOnlyStorageError", "Storage"]
 
 _NOT_FOUND = 404
+_UNPROCESSABLE = 422
 
 
 class ReadOnlyStorageError(optuna.exceptions.OptunaError):
@@ -92,7 +93,12 @@ class Storage(optuna.storages.BaseStorage):
         raise ReadOnlyStorageError("a fusetune study's system attrs are written by the service only")
 
     def get_study_id_from_name(self, study_name: str) -> int:
-        found = self._client.studies(name=study_name)
+        try:
+            found = self._client.studies(name=study_name)
+        except FusetuneError as exc:
+            if exc.status_code == _UNPROCESSABLE:  # a name no study can have (the service's pattern)
+                raise KeyError(f"no study named {study_name!r}") from exc
+            raise
         if not found:
             raise KeyError(f"no study named {study_name!r}")
         return int(found[0]["id"])

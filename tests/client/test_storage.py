@@ -123,6 +123,11 @@ def test_an_unknown_study_is_a_key_error_as_in_optuna(service: Client) -> None:
     storage = ft.Storage(service.url, token=service.token)
     with pytest.raises(KeyError):
         optuna.load_study(study_name="nowhere", storage=storage)
+    for name in ["my study", "é", "-leading-dash", "x" * 300]:  # names no study can have: no such study
+        with pytest.raises(KeyError):
+            optuna.load_study(study_name=name, storage=storage)
+        with pytest.raises(KeyError):
+            ft.load_study(study_name=name, url=service.url, token=service.token)
     with pytest.raises(KeyError):
         storage.get_trial(10**6)
 

@@ -346,6 +346,37 @@ def test_a_grid_sampler_is_rebuilt_with_every_point_in_the_order_its_spec_seed_g
         component_spec(fewer)
 
 
+#: Optuna's samplers the service allows (not GPSampler: its cost grows with the cube of the trials).
+OPTUNAS_OWN = {
+    "RandomSampler": lambda: optuna.samplers.RandomSampler(),
+    "TPESampler": lambda: optuna.samplers.TPESampler(),
+    "CmaEsSampler": lambda: optuna.samplers.CmaEsSampler(),
+    "NSGAIISampler": lambda: optuna.samplers.NSGAIISampler(),
+    "NSGAIIISampler": lambda: optuna.samplers.NSGAIIISampler(),
+    "NSGAIISampler, seeded": lambda: optuna.samplers.NSGAIISampler(seed=1, population_size=10),
+    "QMCSampler": lambda: optuna.samplers.QMCSampler(),
+    "QMCSampler, seeded": lambda: optuna.samplers.QMCSampler(seed=3, qmc_type="halton"),
+    "BruteForceSampler": lambda: optuna.samplers.BruteForceSampler(),
+    "GridSampler": lambda: optuna.samplers.GridSampler({"lr": [0.1, 0.01]}),
+}
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+@pytest.mark.parametrize("name", sorted(OPTUNAS_OWN))
+def test_each_of_optunas_samplers_as_users_build_it_has_a_spec_the_service_builds(name: str) -> None:
+    """An NSGA-II sampler holds a lock and an unseeded QMCSampler a 64-bit seed of its own
+    drawing: neither is an argument, and neither stops the spec (they were refused)."""
+    from fusetune.client import component_spec
+
+    sampler = OPTUNAS_OWN[name]()
+    spec = component_spec(sampler)
+    assert spec["name"] == type(sampler).__name__
+    rebuilt = make_sampler(spec["name"], spec["kwargs"], SpecLimits())
+    assert type(rebuilt) is type(sampler)
+    if name == "QMCSampler, seeded":
+        assert spec["kwargs"] == {"seed": 3, "qmc_type": "halton"} and rebuilt._seed == 3
+
+
 def test_a_tpe_study_is_created_without_a_future_warning(live: LiveApi) -> None:
     """Issue 31: every create_study with a TPESampler printed four FutureWarnings. The client's
     rebuild checks and the service's build (this process: the live API) run with them as errors."""
