@@ -17,6 +17,7 @@ import os
 import re
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = ["optimize"]
 
 _CONFLICT = 409
 _FORBIDDEN = 403
+_UNPROCESSABLE = 422
 _DEFAULT_GROUP = 8
 #: What a study's name may not hold (the service's pattern: letters, digits, '.', '_' and '-').
 _NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._-]+")
@@ -50,7 +52,7 @@ class _Tracked:
 def optimize(
     study: optuna.Study,
     workload: Workload | str,
-    n_trials: int,
+    n_trials: int | None,
     *,
     code: str | os.PathLike[str] | None = None,
     requirements: Sequence[str] | None = None,
@@ -76,7 +78,8 @@ def optimize(
             service's, by name, or the user's own, a ``Workload`` object or a ``module:attr`` path
             inside ``code``, packaged and uploaded once (:func:`fusetune.client.package`). Its
             define-by-run space runs here, conditional or not.
-        n_trials: how many trials to ask and train.
+        n_trials: how many trials to ask and train; None: until ``timeout`` or ``study.stop()``
+            (the service study's budget grows as trials are asked).
         code, requirements, excludes: the user's own workload's folder, pip requirements and
             what to leave out of the folder (gitignore patterns).
         epochs: epochs per trial; the user's pruner decides after each.
@@ -87,7 +90,8 @@ def optimize(
         max_array_size: the most trials one array fuses; also FusionSampler's group size.
         n_concurrent: trials in flight at once (default: two arrays' worth).
         fusion_sampler: wrap the study's sampler in FusionSampler while this runs.
-        timeout: seconds after which no new trial is asked; those in flight still finish.
+        timeout: seconds from the call after which no new trial is asked; those in flight
+            still finish.
         callbacks: called with the study and each trial as it ends there (COMPLETE, PRUNED or
             FAIL), in this process, as ``study.optimize`` calls them. One that calls
             ``study.stop()`` (Optuna's ``MaxTrialsCallback`` does) ends the asking; the
@@ -97,15 +101,18 @@ def optimize(
         url, token: the service and the tenant's token (``FUSETUNE_URL``, ``FUSETUNE_TOKEN``).
 
     Raises:
-        ValueError: naming ``n_trials`` or ``epochs`` if not positive, or the field the
-            service rejected.
+        ValueError: naming ``n_trials``, ``epochs`` or ``n_concurrent`` if not positive, or
+            the field the service rejected.
         PermissionError: the tenant may not upload code (the admin grants ``code_upload``).
     """
-    _check(n_trials, epochs, callbacks)
+    deadline = None if timeout is None else time.monotonic() + timeout  # as study.optimize: from the call
+    _check(n_trials, epochs, n_concurrent, callbacks)
     group = max_array_size or _DEFAULT_GROUP
+    n_concurrent = n_concurrent or 2 * group
+    # An open-ended run's service study is given trials as they are asked, and what was asked at the end.
+    budget = n_trials or 2 * n_concurrent
     workload, packaged = _own_workload(workload, code, requirements, excludes, search_space)
-    space = _space(workload)
-    body = _service_study(study, workload, n_trials, epochs, search_space, metrics, max_array_size, packaged)
+    body = _service_study(study, workload, budget, epochs, search_space, metrics, max_array_size, packaged)
     original, bar = study.sampler, None
     # The user's sampler comes back and the bar closes however this ends, a refused or
     # unreachable service included: the study is the user's, not this call's.
@@ -113,28 +120,22 @@ def optimize(
         if fusion_sampler:
             study.sampler = _fusion_sampler(original, workload, group, search_space)
         bar = _progress_bar(n_trials) if show_progress_bar else None
-        deadline = None if timeout is None else time.monotonic() + timeout
         with Client(url, token=token) as client:
             created = _submit(client, body, packaged)
-            run = _Run(study, client, created["id"], space, search_space, len(study.directions) > 1, bar, list(callbacks or ()))
-            try:
-                with _optimizing(study):
-                    run.until_done(n_trials, n_concurrent or 2 * group, deadline, poll_interval)
-            except BaseException:  # Ctrl-C, a refused enqueue, the service gone: see _Run.abandon
-                run.abandon()
-                raise
+            run = _Run(study, client, created["id"], _space(workload), search_space, len(study.directions) > 1, bar,
+                       list(callbacks or ()), budget=budget, more=0 if n_trials else budget)
+            run.run(n_trials, n_concurrent, deadline, poll_interval)
     finally:
         if bar is not None:
             bar.close()
         study.sampler = original
 
 
-def _check(n_trials: int, epochs: int, callbacks: Sequence[Any] | None) -> None:
+def _check(n_trials: int | None, epochs: int, n_concurrent: int | None, callbacks: Sequence[Any] | None) -> None:
     """optimize's arguments checked before anything is packaged or sent (a ValueError naming one)."""
-    if n_trials < 1:
-        raise ValueError(f"n_trials must be positive, not {n_trials}")
-    if epochs < 1:
-        raise ValueError(f"epochs must be positive, not {epochs}")
+    for name, value in (("n_trials", n_trials), ("epochs", epochs), ("n_concurrent", n_concurrent)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int{' or None' if name != 'epochs' else ''}, not {value!r}")
     if not all(callable(c) for c in callbacks or ()):
         raise ValueError("callbacks must be callables of (study, frozen_trial)")
 
@@ -236,17 +237,31 @@ class _Run:
     multi: bool
     bar: Any
     callbacks: Sequence[Callable[[optuna.Study, FrozenTrial], None]] = ()
+    budget: int = 0  # the service study's n_trials
+    more: int = 0  # trials it is given at a time when they run out (0: n_trials was given)
     inflight: dict[int, _Tracked] = field(default_factory=dict)
     asked: int = 0
     done: int = 0
 
-    def until_done(self, n_trials: int, n_concurrent: int, deadline: float | None, poll_interval: float) -> None:
+    def run(self, n_trials: int | None, n_concurrent: int, deadline: float | None, poll_interval: float) -> None:
+        """:meth:`until_done` as ``study.optimize`` runs its loop, then :meth:`close`; however
+        else it ends (Ctrl-C, a refused enqueue, the service gone), :meth:`abandon`."""
+        try:
+            with _optimizing(self.study):
+                self.until_done(n_trials, n_concurrent, deadline, poll_interval)
+        except BaseException:
+            self.abandon()
+            raise
+        self.close()
+
+    def until_done(self, n_trials: int | None, n_concurrent: int, deadline: float | None, poll_interval: float) -> None:
         """Keep ``n_concurrent`` trials in flight until ``n_trials`` were asked (or the
-        deadline passed), then until every asked trial has ended."""
+        deadline passed, or a callback stopped the study), then until every asked trial has ended."""
 
         def may_ask() -> bool:
             stopped = getattr(self.study, "_stop_flag", False)  # study.stop(), from a callback
-            return self.asked < n_trials and not stopped and (deadline is None or time.monotonic() < deadline)
+            return ((n_trials is None or self.asked < n_trials) and not stopped
+                    and (deadline is None or time.monotonic() < deadline) and self._room())
 
         while self.done < self.asked or may_ask():
             while len(self.inflight) < n_concurrent and may_ask():
@@ -267,6 +282,35 @@ class _Run:
             raise
         self.inflight[row["id"]] = _Tracked(trial)
         self.asked += 1
+
+    def _room(self) -> bool:
+        """Whether the service study takes another trial; an open-ended run gives it more
+        (False once the service refuses them: the tenant's ``max_trials_per_study``)."""
+        if self.asked < self.budget:
+            return True
+        if not self.more:
+            return False
+        try:
+            self.client.update_study(self.service_id, self.budget + self.more)
+        except FusetuneError as exc:
+            if exc.status_code != _UNPROCESSABLE:
+                raise
+            warnings.warn(f"fusetune: no more trials after {self.asked}: {exc.detail}", stacklevel=2)
+            self.more = 0
+            return False
+        self.budget += self.more
+        return True
+
+    def close(self) -> None:
+        """The asking is over and every trial has ended: the service study's n_trials becomes
+        what was asked, so that it completes rather than waiting for trials that never come
+        (nothing asked: it is cancelled)."""
+        if self.asked < self.budget:
+            if self.asked:
+                self.client.update_study(self.service_id, self.asked)
+            else:
+                self.client.cancel_study(self.service_id)
+            self.budget = self.asked
 
     def abandon(self) -> None:
         """This call ends before its trials did: fail them in the user's study, as
@@ -355,7 +399,7 @@ def _fusion_sampler(
     return FusionSampler.for_workload(base, workload, group_size=group, distributions=distributions)
 
 
-def _progress_bar(total: int) -> Any:
+def _progress_bar(total: int | None) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="fusetune trials")

@@ -123,6 +123,35 @@ def test_callbacks_see_each_trial_as_it_ends_and_may_stop_the_asking(service: Cl
     assert all(state == optuna.trial.TrialState.COMPLETE and value is not None for _, state, value in seen)
     with pytest.raises(RuntimeError, match="Study.stop"):
         study.stop()  # outside optimize again, as Optuna has it
+    # The service study asked 3 of its 8: it ends at 3 rather than wait for trials that never come.
+    record_ = service_study_of(service, study)
+    assert record_["n_trials"] == 3 and service.wait(record_["id"], timeout=300)["state"] == "COMPLETE"
+
+
+def service_study_of(service: Client, study: optuna.Study) -> dict:
+    (found,) = [s for s in service.studies() if s["name"].startswith(f"{study.study_name}-")]
+    return found
+
+
+def test_an_open_ended_run_asks_until_a_callback_stops_it(service: Client) -> None:
+    """n_trials=None, as study.optimize takes it: the service study is given trials as they are
+    asked (two at a time here), and ends at what was asked."""
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=1))
+    ft.optimize(study, "digits-mlp", n_trials=None, epochs=1, n_concurrent=1,
+                callbacks=[optuna.study.MaxTrialsCallback(5)], url=service.url, token=service.token)
+    assert len(study.trials) == 5 and all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    record_ = service_study_of(service, study)
+    assert record_["n_trials"] == 5 and service.wait(record_["id"], timeout=300)["state"] == "COMPLETE"
+
+
+@pytest.mark.parametrize(("argument", "value"), [("n_trials", 0), ("n_trials", -1), ("n_concurrent", 0), ("n_concurrent", -1),
+                                                 ("epochs", 0), ("n_concurrent", True)])
+def test_a_count_that_is_not_positive_is_refused_naming_it(argument: str, value: int) -> None:
+    study = optuna.create_study()
+    arguments = {"n_trials": 2, argument: value}
+    with pytest.raises(ValueError, match=f"^{argument} must be a positive int"):
+        ft.optimize(study, "digits-mlp", url="http://127.0.0.1:9", token="unused", **arguments)
+    assert study.trials == []
 
 
 def test_a_callback_that_raises_ends_optimize_with_its_error_and_cancels_the_rest(service: Client) -> None:
