@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 import re
+import threading
 import time
 import uuid
 import warnings
@@ -38,6 +39,9 @@ _CONFLICT = 409
 _FORBIDDEN = 403
 _UNPROCESSABLE = 422
 _DEFAULT_GROUP = 8
+#: Studies some optimize call runs on (by id): the calls on each, and the user's own sampler.
+_WRAPPED: dict[int, tuple[int, optuna.samplers.BaseSampler]] = {}
+_WRAPPED_LOCK = threading.Lock()
 #: What a study's name may not hold (the service's pattern: letters, digits, '.', '_' and '-').
 _NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -113,14 +117,12 @@ def optimize(
     budget = n_trials or 2 * n_concurrent
     workload, packaged = _own_workload(workload, code, requirements, excludes, search_space)
     body = _service_study(study, workload, budget, epochs, search_space, metrics, max_array_size, packaged)
-    original, bar = study.sampler, None
+    wrap = (lambda own: _fusion_sampler(own, workload, group, search_space)) if fusion_sampler else None
+    bar = _progress_bar(n_trials) if show_progress_bar else None
     # The user's sampler comes back and the bar closes however this ends, a refused or
     # unreachable service included: the study is the user's, not this call's.
     try:
-        if fusion_sampler:
-            study.sampler = _fusion_sampler(original, workload, group, search_space)
-        bar = _progress_bar(n_trials) if show_progress_bar else None
-        with Client(url, token=token) as client:
+        with _sampler_wrapped(study, wrap), Client(url, token=token) as client:
             created = _submit(client, body, packaged)
             run = _Run(study, client, created["id"], _space(workload), search_space, len(study.directions) > 1, bar,
                        list(callbacks or ()), budget=budget, more=0 if n_trials else budget)
@@ -128,7 +130,6 @@ def optimize(
     finally:
         if bar is not None:
             bar.close()
-        study.sampler = original
 
 
 def _check(n_trials: int | None, epochs: int, n_concurrent: int | None, callbacks: Sequence[Any] | None) -> None:
@@ -138,6 +139,27 @@ def _check(n_trials: int | None, epochs: int, n_concurrent: int | None, callback
             raise ValueError(f"{name} must be a positive int{' or None' if name != 'epochs' else ''}, not {value!r}")
     if not all(callable(c) for c in callbacks or ()):
         raise ValueError("callbacks must be callables of (study, frozen_trial)")
+
+
+@contextlib.contextmanager
+def _sampler_wrapped(study: optuna.Study, wrap: Callable[[optuna.samplers.BaseSampler], optuna.samplers.BaseSampler] | None) -> Iterator[None]:
+    """The study's sampler wrapped (FusionSampler) while any optimize call on it runs, and the
+    user's own back after the last: threads may run calls on one study, as ``n_jobs`` does."""
+    key = id(study)
+    with _WRAPPED_LOCK:
+        calls, own = _WRAPPED.get(key, (0, study.sampler))
+        if not calls and wrap is not None:
+            study.sampler = wrap(own)
+        _WRAPPED[key] = (calls + 1, own)
+    try:
+        yield
+    finally:
+        with _WRAPPED_LOCK:
+            calls, own = _WRAPPED.pop(key)
+            if calls > 1:
+                _WRAPPED[key] = (calls - 1, own)
+            else:
+                study.sampler = own
 
 
 @contextlib.contextmanager

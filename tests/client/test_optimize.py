@@ -7,8 +7,10 @@ intermediate values, values and states, with pruning decided by the user's own p
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import optuna
@@ -167,3 +169,38 @@ def test_a_callback_that_raises_ends_optimize_with_its_error_and_cancels_the_res
     assert states.count(optuna.trial.TrialState.COMPLETE) >= 1 and optuna.trial.TrialState.RUNNING not in states
     with pytest.raises(ValueError, match="callbacks"):
         ft.optimize(study, "digits-mlp", n_trials=1, callbacks=["not callable"], url=service.url, token=service.token)  # type: ignore[list-item]
+
+
+def test_calls_on_one_study_from_two_threads_give_the_users_sampler_back_after_the_last(service: Client) -> None:
+    """The first call wraps the sampler and the last one restores it: the second call must not
+    take the first call's FusionSampler for the user's own. The calls overlap, the first
+    ending first, as the events below order them."""
+    sampler = optuna.samplers.RandomSampler(seed=0)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    first_inside, second_inside, first_returned = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold(inside: threading.Event, until: threading.Event) -> Any:
+        def callback(s: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            inside.set()
+            assert until.wait(300)
+        return callback
+
+    def call(callback: Any, then: threading.Event | None = None) -> None:
+        try:
+            ft.optimize(study, "digits-mlp", n_trials=1, epochs=1, callbacks=[callback], url=service.url, token=service.token)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            if then is not None:
+                then.set()
+
+    first = threading.Thread(target=call, args=(hold(first_inside, second_inside), first_returned))
+    first.start()
+    assert first_inside.wait(300)
+    second = threading.Thread(target=call, args=(hold(second_inside, first_returned),))
+    second.start()
+    first.join(600)
+    second.join(600)
+    assert not errors and len(study.trials) == 2
+    assert study.sampler is sampler
