@@ -639,6 +639,43 @@ def test_trials_a_killed_service_left_undescribed_are_described_by_the_next(tmp_
         second.stop()
 
 
+def test_after_a_restart_a_package_study_waits_for_its_describer_and_holds_no_one_else(tmp_path: Path) -> None:
+    """Its trials were described before the service was killed; the next service places them
+    only once the package's describer has answered again (its FusionSampler's probes, held
+    here in the tenant's factory), and meanwhile another study gets the one worker and trains
+    to the end."""
+    pkg, hold, marker = held_package(tmp_path)
+    hold.unlink()  # the first service describes and starts the sweep unhindered
+    admin = secrets.token_urlsafe(24)
+    first = ServiceProcess(service_env(tmp_path), tmp_path / "first.log", admin).start()
+    second = ServiceProcess(service_env(tmp_path), tmp_path / "second.log", admin)
+    try:
+        first.healthy()
+        with Client(first.url, token=admin) as client:
+            client.set_code_upload("default", True)
+            client.ensure_package(pkg)
+            held = client.submit({"workload": "byo-held", "package": pkg.digest, "n_trials": 4, "epochs": 200})
+            deadline = time.monotonic() + 600
+            while not any(t["intermediate_values"] for t in client.trials(held["id"])):  # it trains
+                assert time.monotonic() < deadline, first.log_tail()
+                time.sleep(0.1)
+        first.kill9()
+        hold.touch()
+        marker.unlink()
+        second.start().healthy()
+        with Client(second.url, token=admin) as client:
+            other = client.submit({"workload": "digits-mlp", "n_trials": 2, "epochs": 1})
+            assert ended(client, other["id"])["state"] == "COMPLETE", second.log_tail()
+            assert "held" in marker.read_text()  # the describer is in the factory: nothing trained the held study
+            assert all(t["state"] == "WAITING" for t in client.trials(held["id"]))
+            hold.unlink()
+            client.cancel_study(held["id"])  # 200 epochs: it has shown what it had to
+            assert ended(client, held["id"])["state"] == "CANCELLED"
+    finally:
+        first.stop()
+        second.stop()
+
+
 def token_of(service: ServiceProcess) -> str:
     return service.token()
 

@@ -34,6 +34,7 @@ from fusetune.server.loop.mirrors import training_seed
 from fusetune.server.loop.state import Live, class_of, member_spec
 from fusetune.server.loop.throughput import Throughput
 from fusetune.server.settings import artifact_uri
+from fusetune.workers.package import PackageError
 from fusetune.workers.pool import WorkerHandle
 from fusetune.workers.spec import ArraySpec
 
@@ -139,8 +140,11 @@ class Dispatcher:
         idle = {w.name: w for w in self.ctx.pool.idle()}
         studies = {s.id: s for s in listed if s.state == StudyState.RUNNING}
         # A package's trial waits unsigned until its describer answers (describing.py): it
-        # is nobody's class yet, so no round places it.
-        found = [(t, studies[t.study_id]) for t in rows.unfinished(session) if t.study_id in studies and t.signature]
+        # is nobody's class yet, so no round places it; nor, after a restart, one of a
+        # package not loaded again yet (PackageRuntime.loaded).
+        held = {s.id for s in studies.values() if not self._mirrored(s)}
+        found = [(t, studies[t.study_id]) for t in rows.unfinished(session)
+                 if t.study_id in studies and t.signature and not (t.study_id in held and t.state == TrialState.WAITING)]
         waiting = {t.id: (t, study) for t, study in found if t.array_id is None and t.state == TrialState.WAITING}
         self._start_moves(session, found, idle, waiting)
         if not waiting:
@@ -385,6 +389,24 @@ class Dispatcher:
                 del idle[name]
             elif worker is None or any(i not in unfinished for i in movers):
                 del self.state.moves[name]
+
+    def _mirrored(self, study: Study) -> bool:
+        """Whether the study's trials may be placed: its mirror is built, or can be at once.
+
+        A package study's mirror needs its describer's answers (FusionSampler's non-fusible
+        params); after a restart they come in the package's own time, and its trials wait for
+        them here rather than have recording their first epoch wait for the describer. Built
+        now, the mirror outlives the describer (one stopped for another package's, say).
+        """
+        if study.package is None or self.ctx.mirrors.loaded(study.id) is not None:
+            return True
+        if not self.ctx.packages.loaded(study):
+            return False
+        try:
+            self.ctx.mirrors.of(study)
+        except PackageError:
+            pass  # its describer failed: asking or recording fails the study, with the reason
+        return True
 
     def _finishing(self, found: Sequence[Any]) -> dict[int, int]:
         """Running members with at most their array's look-ahead of epochs left after their last

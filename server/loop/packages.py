@@ -109,6 +109,15 @@ class PackageRuntime:
         ref, since = describer.non_fusible[space]
         return self._answered(study.package, ref, since, "find its non-fusible params")
 
+    def loaded(self, study: Study) -> bool:
+        """:meth:`ready`, for placing the study's waiting trials (``Dispatcher._mirrored``): a
+        package that failed is not held there, since asking the study or training it fails the
+        study, with the reason."""
+        try:
+            return self.ready(study)
+        except PackageError:
+            return True
+
     def warm(self, pool: WorkerPool, studies: Sequence[Study]) -> list[WorkerHandle]:
         """Start idle workers in the env of each running study's package whose describer is
         still loading it, so that the package's first arrays find their workers up.
