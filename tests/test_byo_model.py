@@ -529,7 +529,8 @@ def test_code_upload_is_the_admins_to_grant_and_the_same_code_is_stored_once(ser
     assert [p.name for p in stored.parent.iterdir()].count(stored.name) == 1
 
 
-#: A workload whose model factory waits while a file exists, except in the test's own process.
+#: A workload whose model factory (or, with ``where="import"``, its import) waits while a
+#: file exists, except in the test's own process.
 HELD = '''
 import os
 import time
@@ -541,15 +542,22 @@ from torch.utils.data import TensorDataset
 
 from fusetune import Workload
 
-HOLD, MARKER, CLIENT = {hold!r}, {marker!r}, {client}
+HOLD, MARKER, CLIENT, WHERE = {hold!r}, {marker!r}, {client}, {where!r}
+
+
+def _hold(where):
+    if where == WHERE and os.getpid() != CLIENT:
+        with open(MARKER, "a") as f:
+            f.write(f"{{os.getpid()}} held\\n")
+        while os.path.exists(HOLD):  # the tenant's code takes its time, where it runs
+            time.sleep(0.05)
+
+
+_hold("import")
 
 
 def build(params):
-    if os.getpid() != CLIENT:
-        with open(MARKER, "a") as f:
-            f.write(f"{{os.getpid()}} held\\n")
-        while os.path.exists(HOLD):  # the tenant's code takes its time, in its describer
-            time.sleep(0.05)
+    _hold("factory")
     return nn.Sequential(nn.Linear(4, int(params.get("hidden", 8))), nn.ReLU(), nn.Linear(int(params.get("hidden", 8)), 2))
 
 
@@ -571,15 +579,15 @@ WORKLOAD = Workload(name="byo-held", build_model=build, search_space=space, data
 '''
 
 
-def held_package(tmp_path: Path) -> tuple[ft.Package, Path, Path]:
+def held_package(tmp_path: Path, where: str = "factory") -> tuple[ft.Package, Path, Path]:
     """The HELD workload packaged, with its hold file in place: the package, the hold and the
-    marker its describer writes to as it enters the factory."""
+    marker a process writes to as it enters the factory (or the import)."""
     hold, marker = tmp_path / "hold", tmp_path / "held"
     hold.touch()
     code = tmp_path / "held-code"
     code.mkdir()
     module = f"byo_held_{uuid.uuid4().hex[:8]}"
-    (code / f"{module}.py").write_text(HELD.format(hold=str(hold), marker=str(marker), client=os.getpid()))
+    (code / f"{module}.py").write_text(HELD.format(hold=str(hold), marker=str(marker), client=os.getpid(), where=where))
     return ft.package(f"{module}:WORKLOAD", code=code), hold, marker
 
 
@@ -611,6 +619,28 @@ def test_a_slow_describer_holds_only_its_own_study(service: ServiceProcess, toke
         done = ended(client, held["id"])
         assert done["state"] == "COMPLETE", done
         assert {t["state"] for t in client.trials(held["id"])} == {"COMPLETE"}
+
+
+def test_a_trial_enqueued_while_its_package_loads_is_answered_at_once_and_trains_once_it_has(
+    service: ServiceProcess, token: str, tmp_path: Path,
+) -> None:
+    """A client-driven study (optimize) enqueues its first trial while its describer still
+    imports the package: the enqueue is answered without waiting for it (it waited the whole
+    call timeout on the loop, every study's, and then answered 500), and the trial is
+    described and trained once the package has loaded."""
+    pkg, hold, marker = held_package(tmp_path, where="import")
+    with Client(service.url, token=token) as client:
+        client.ensure_package(pkg)
+        study = client.submit({"workload": "byo-held", "package": pkg.digest, "n_trials": 1, "epochs": 1, "driver": "client"})
+        trial = client.enqueue_trial(study["id"], {"lr": 0.05, "hidden": 6})
+        assert trial["state"] == "WAITING" and trial["params"] == {"lr": 0.05, "hidden": 6}
+        other = client.submit({"workload": "digits-mlp", "n_trials": 2, "epochs": 1})
+        assert ended(client, other["id"])["state"] == "COMPLETE"
+        assert "held" in marker.read_text()  # the package was still loading all along
+        hold.unlink()
+        done = ended(client, study["id"])
+        assert done["state"] == "COMPLETE", done
+        assert [t["state"] for t in client.trials(study["id"])] == ["COMPLETE"]
 
 
 def test_trials_a_killed_service_left_undescribed_are_described_by_the_next(tmp_path: Path) -> None:

@@ -75,8 +75,8 @@ def study_sampler(
     # which batches of asks need, where Optuna does not default to it).
     name = config.sampler["name"]
     sampler = make_sampler(name, service_sampler_kwargs(name, config.sampler.get("kwargs") or {}), SpecLimits.of(settings))
-    if not config.fusion_sampler:
-        return sampler
+    if not config.fusion_sampler or study.driver == "client":
+        return sampler  # a client-driven study's trials are asked by its client, with its own FusionSampler
     # Deriving them probes ~150 signatures (0.5 s on the 2-core machine): once per workload
     # and space in a process, not once per study, or every study's first array waits for it.
     # A study's epochs are the same for all its trials, so they never change the answer.

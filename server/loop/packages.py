@@ -97,8 +97,8 @@ class PackageRuntime:
                 return False
             self._get(study.package, describer.checked, "load its workload")
             describer.ok = True
-        if not study.config.fusion_sampler or not study.search_space:
-            return True
+        if not study.config.fusion_sampler or not study.search_space or study.driver == "client":
+            return True  # no FusionSampler here (mirrors.study_sampler)
         # FusionSampler's non-fusible params, found once per space while the loop goes on.
         space = json.dumps(study.search_space, sort_keys=True)
         if space not in describer.non_fusible:
