@@ -476,6 +476,60 @@ def test_what_a_packages_processes_send_back_never_runs_code_in_the_server(
     assert not marker.exists()  # nothing unpickled the name, in the server or anywhere
 
 
+#: A module that, in every process but the client's, has the describer answer a trial's
+#: unused params as a list sharing one inner list 2**40 times over: a few hundred bytes sent,
+#: and JSON written from it would never end (it froze the whole service).
+LAUGHING = '''
+import os
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+from fusetune import Workload
+
+if os.getpid() != {client}:
+    import fusetune.workers.describer as describer
+
+    def laughs(*args, **kwargs):
+        inner = []
+        for _ in range(40):
+            inner = [inner, inner]
+        return ["lr", inner]
+
+    describer.unused_params = laughs
+
+def build(params):
+    return nn.Linear(4, 2)
+
+def space(trial):
+    return {{"lr": trial.suggest_float("lr", 0.01, 0.1)}}
+
+def data():
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    return TensorDataset(x, y), TensorDataset(x, y)
+
+def accuracy(out, y):
+    return float((out.argmax(-1) == y).float().mean())
+
+WORKLOAD = Workload(name="byo-laughing", build_model=build, search_space=space, datasets=data,
+                    loss=F.cross_entropy, metric=accuracy, batch_size=16)
+'''
+
+
+def test_a_describers_answer_is_checked_before_anything_walks_it(service: ServiceProcess, token: str, tmp_path: Path) -> None:
+    code = tmp_path / "laughing"
+    code.mkdir()
+    module = f"byo_laughing_{uuid.uuid4().hex[:8]}"
+    (code / f"{module}.py").write_text(LAUGHING.format(client=os.getpid()))
+    with Client(service.url, token=token) as client:
+        created = ft.create_study(workload=f"{module}:WORKLOAD", code=code, n_trials=2, epochs=1, url=service.url, token=token)
+        (row,) = [s for s in client.studies() if s["name"] == created.study_name]
+        failed = ended(client, row["id"])
+        assert failed["state"] == "FAILED" and "not a list of descriptions" in failed["error"], failed["error"]
+        other = client.submit({"workload": "digits-mlp", "n_trials": 2, "epochs": 1})
+        assert ended(client, other["id"])["state"] == "COMPLETE"
+
+
 def test_broken_code_fails_its_own_study_with_the_traceback_and_no_other(service: ServiceProcess, token: str, tmp_path: Path) -> None:
     good = imported(tmp_path / "good", write_module(tmp_path / "good", tmp_path / "marker", name="byo-good"))
     with Client(service.url, token=token) as client:

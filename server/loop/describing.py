@@ -46,6 +46,7 @@ from typing import Any
 
 import ray
 from optuna.trial import TrialState as OptunaState
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -214,10 +215,9 @@ class Descriptions:
             self.lifecycle.fail(session, study, f"describing its trials failed: {reason}")
             return False
 
-    def _apply(self, session: Session, study: Study, trials: Sequence[Undescribed], answers: Sequence[Described]) -> None:
+    def _apply(self, session: Session, study: Study, trials: Sequence[Undescribed], answers: Any) -> None:
         """Write the describer's answers on the trials still waiting for them."""
-        if len(answers) != len(trials):
-            raise PackageError(f"its describer answered {len(answers)} descriptions for {len(trials)} trials")
+        answers = _checked(answers, trials)
         still = set(session.scalars(select(Trial.id).where(
             Trial.id.in_([t.trial_id for t in trials]), Trial.state == TrialState.WAITING, Trial.signature == "",
         )))
@@ -271,6 +271,37 @@ class Descriptions:
             self.lifecycle.fail(session, study, str(exc))
             return
         self.send(study, self._unsent.pop(study_id))
+
+
+#: What a describer's answer is, checked before anything reads it: its classes are the
+#: protocol's (workers/untrusted.py), but their shapes and sizes are the tenant's code's.
+_ANSWERS = TypeAdapter(list[tuple[str, str | None, list[str], int]], config=ConfigDict(strict=True))
+_MAX_SIGNATURE = 256
+_MAX_ERROR = 16_384
+
+
+def _checked(answers: Any, trials: Sequence[Undescribed]) -> list[Described]:
+    """A describer's answers as the loop may use them, or PackageError saying what is wrong.
+
+    Types are checked strictly (a nested list where a name belongs fails at once, before
+    anything walks it), an error is cut to 16 KiB, and the unused params are names of the
+    trial's own params, each once: a list that repeats one object many times over costs its
+    sender a few bytes and the JSON written from it everything.
+    """
+    try:
+        checked = _ANSWERS.validate_python(answers)
+    except ValidationError as exc:
+        raise PackageError(f"its describer answered what is not a list of descriptions: {exc.errors()[0]['msg']}") from None
+    if len(checked) != len(trials):
+        raise PackageError(f"its describer answered {len(checked)} descriptions for {len(trials)} trials")
+    out: list[Described] = []
+    for (signature, error, names, least_bytes), trial in zip(checked, trials, strict=True):
+        if len(signature) > _MAX_SIGNATURE or least_bytes < 0:
+            raise PackageError(f"its describer answered a signature of {len(signature)} characters, or "
+                               f"{least_bytes} bytes: not a description")
+        unused = sorted(set(trial.params) & set(names))
+        out.append((signature, None if error is None else error[:_MAX_ERROR], unused, least_bytes))
+    return out
 
 
 def _gib(n: int) -> str:

@@ -42,6 +42,8 @@ __all__ = ["PackageRuntime"]
 
 log = logging.getLogger(__name__)
 
+#: The most of a describer's message the loop keeps (the rest is the tenant's to read in its logs).
+_MAX_MESSAGE = 16_384
 #: Non-fusible answers a describer keeps, by search space (one per study that got ready).
 _SPACES_KEPT = 64
 
@@ -185,8 +187,10 @@ class PackageRuntime:
         ref = sent[0] if sent is not None else describer.actor.non_fusible.remote(dict(distributions))
         found = self._get(study.package, ref, "find its non-fusible params")
         if isinstance(found, str):
-            raise ValueError(found)
-        return frozenset(found)
+            raise ValueError(found[:_MAX_MESSAGE])
+        if not isinstance(found, frozenset) or not all(isinstance(name, str) for name in found):
+            raise PackageError(f"its code package {study.package[:12]}'s describer answered what is not a set of param names")
+        return frozenset(found) & frozenset(distributions)  # the space's own names, whatever else it sent
 
     def measure_memory(self, study: Study, params: dict[str, Any], training: TrainingSpec) -> ray.ObjectRef:
         """Start measuring the memory model of an array of these params' class (read with
