@@ -225,18 +225,25 @@ class Settings(BaseSettings):
     package_call_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="How long the scheduling loop waits for a code package's describer (the worker process "
-        "that builds the package's models on the meta device for trial signatures) to answer one call; past "
-        "it, the package's study fails. The loop serves every tenant and waits for the answer, so this is "
-        "what one package can hold it for (a model built on the meta device takes milliseconds). Setting up "
-        "the package's environment (fetching it, installing its requirements) and loading its code do not "
-        "count: the study waits for them without holding the loop.",
+        description="How long a call to a code package's describer (the worker process that builds the "
+        "package's models on the meta device for trial signatures) may take, from when it is sent, before the "
+        "package's study fails. The scheduling loop does not wait for it; a model built on the meta device "
+        "takes milliseconds. Setting up the package's environment and loading it do not count "
+        "(FUSETUNE_PACKAGE_LOAD_TIMEOUT_S).",
+    )
+    package_load_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="How long a code package's describer may take to set its environment up (requirements "
+        "installed by Ray) and import the package, before the package's study fails; a package whose import "
+        "never returns would otherwise hold its describer, and idle workers started in its env, for ever.",
     )
     package_describers: int = Field(
         8,
         ge=1,
         description="Most code packages whose describer processes live at once (each holds torch and the "
-        "package's modules); the least recently used one beyond it is stopped and started again when needed.",
+        "package's modules); beyond it, the least recently used one that is idle is stopped (started again "
+        "when needed), and a package waits for a place while every one is loading or answering.",
     )
     metrics_token: SecretStr | None = Field(
         None,

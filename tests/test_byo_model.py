@@ -760,6 +760,35 @@ def test_after_a_restart_a_package_study_waits_for_its_describer_and_holds_no_on
         second.stop()
 
 
+def test_more_packages_than_describers_take_turns_and_one_that_never_loads_times_out(tmp_path: Path) -> None:
+    """Two describer places, four packages: a package waits for a place rather than stop one
+    still loading (each start stopped another, and none ever loaded), and a package whose
+    import never returns fails its study after FUSETUNE_PACKAGE_LOAD_TIMEOUT_S (shortened
+    here) instead of holding its place for ever."""
+    (tmp_path / "stuck").mkdir()
+    stuck, _, _ = held_package(tmp_path / "stuck", where="import")  # its hold file is never removed
+    admin = secrets.token_urlsafe(24)
+    env = {**service_env(tmp_path), "FUSETUNE_PACKAGE_DESCRIBERS": "2", "FUSETUNE_PACKAGE_LOAD_TIMEOUT_S": "60"}
+    server = ServiceProcess(env, tmp_path / "service.log", admin).start()
+    try:
+        server.healthy()
+        with Client(server.url, token=admin) as client:
+            client.set_code_upload("default", True)
+            client.ensure_package(stuck)
+            never = client.submit({"workload": "byo-held", "package": stuck.digest, "n_trials": 2, "epochs": 1})
+            names = []
+            for k in range(3):
+                module = imported(tmp_path / f"code{k}", write_module(tmp_path / f"code{k}", tmp_path / "marker", name=f"byo-turn{k}"))
+                names.append(ft.create_study(workload=module.WORKLOAD, n_trials=2, epochs=1, url=server.url, token=admin).study_name)
+            rows = {s["name"]: s["id"] for s in client.studies()}
+            for name in names:
+                assert ended(client, rows[name])["state"] == "COMPLETE", server.log_tail()
+            failed = ended(client, never["id"])
+            assert failed["state"] == "FAILED" and "FUSETUNE_PACKAGE_LOAD_TIMEOUT_S" in failed["error"], failed["error"]
+    finally:
+        server.stop()
+
+
 def token_of(service: ServiceProcess) -> str:
     return service.token()
 

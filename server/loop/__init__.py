@@ -220,6 +220,7 @@ class SchedulingLoop:
             for study in [s for s in listed if s.state in rows.STOPPING]:
                 self.lifecycle.settle(session, study)
             self.describing.settle(session)  # what the packages' describers have answered
+            self.asker.prepare(session, studies)  # package studies' mirrors, once their packages load
             self._studies_running = len(studies)
             # A study whose last trials were recorded ends first: its stream says so before
             # anything else this round does.

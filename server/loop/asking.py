@@ -22,7 +22,7 @@ no worker's memory fits, params nothing reads) is ``describing.py``'s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -109,6 +109,18 @@ class Asker:
         except PackageError as exc:
             self.lifecycle.fail(session, study, str(exc))
             return False
+
+    def prepare(self, session: Session, studies: Sequence[Study]) -> None:
+        """Build the mirror of each running package study whose package has loaded, failing
+        one whose package cannot load: its trials are placed only then (``Dispatcher._mirrored``),
+        and after a restart its package loads again here, whether or not it asks for more."""
+        for study in studies:
+            if study.package is None or self.mirrors.loaded(study.id) is not None or not self._code_ready(session, study):
+                continue
+            try:
+                self.mirrors.of(study)  # from answers already in: FusionSampler's non-fusible params
+            except PackageError as exc:
+                self.lifecycle.fail(session, study, str(exc))
 
     def ask_alone(self, session: Session, study: Study, groups: int = 0) -> bool:
         """:meth:`_ask`, so that a study whose sampler (or workload) raises fails alone, with its

@@ -34,7 +34,6 @@ from fusetune.server.loop.mirrors import training_seed
 from fusetune.server.loop.state import Live, class_of, member_spec
 from fusetune.server.loop.throughput import Throughput
 from fusetune.server.settings import artifact_uri
-from fusetune.workers.package import PackageError
 from fusetune.workers.pool import WorkerHandle
 from fusetune.workers.spec import ArraySpec
 
@@ -391,22 +390,10 @@ class Dispatcher:
                 del self.state.moves[name]
 
     def _mirrored(self, study: Study) -> bool:
-        """Whether the study's trials may be placed: its mirror is built, or can be at once.
-
-        A package study's mirror needs its describer's answers (FusionSampler's non-fusible
-        params); after a restart they come in the package's own time, and its trials wait for
-        them here rather than have recording their first epoch wait for the describer. Built
-        now, the mirror outlives the describer (one stopped for another package's, say).
-        """
-        if study.package is None or self.ctx.mirrors.loaded(study.id) is not None:
-            return True
-        if not self.ctx.packages.loaded(study):
-            return False
-        try:
-            self.ctx.mirrors.of(study)
-        except PackageError:
-            pass  # its describer failed: asking or recording fails the study, with the reason
-        return True
+        """Whether the study's trials may be placed: a package study's once its mirror is built
+        (``Asker.prepare``, from its describer's answers), so that recording their first epoch
+        never waits for the describer; after a restart that is when its package has loaded again."""
+        return study.package is None or self.ctx.mirrors.loaded(study.id) is not None
 
     def _finishing(self, found: Sequence[Any]) -> dict[int, int]:
         """Running members with at most their array's look-ahead of epochs left after their last

@@ -56,6 +56,7 @@ class _Describer:
         actor: Any = ray.remote(PackageDescriber).options(num_cpus=0, runtime_env=env).remote(digest)
         self.actor = actor
         self.checked: ray.ObjectRef = self.actor.check.remote()  # the package loads (or its traceback)
+        self.since = time.monotonic()
         self.ok = False
         self.inflight = 0  # describe calls sent and not yet taken up: it is not evicted meanwhile
         # (study space) -> its non_fusible call, sent as the study got ready, and when.
@@ -73,15 +74,33 @@ class PackageRuntime:
         """The runtime env of a worker that runs the package (its zip put where Ray fetches it)."""
         return packages.runtime_env(self.settings, digest)
 
-    def _describer(self, digest: str) -> _Describer:
+    def _describer(self, digest: str, *, wait: bool = False) -> _Describer | None:
+        """The package's describer, started if need be. Past ``package_describers`` the least
+        recently used idle one is stopped; one that is loading or answering never is, and with
+        ``wait`` (a study getting ready) none is started over the limit: None, try again later."""
         found = self._describers.get(digest)
         if found is None:
-            found = self._describers[digest] = _Describer(digest, self.env(digest))
-            # The least recently used go, but never one whose answers the loop still awaits.
-            idle = [d for d, describer in self._describers.items() if d != digest and not describer.inflight]
-            for old in idle[: max(0, len(self._describers) - self.settings.package_describers)]:
+            idle = [d for d, describer in self._describers.items() if self._idle(describer)]
+            over = len(self._describers) + 1 - self.settings.package_describers
+            if wait and over > len(idle):
+                return None
+            for old in idle[: max(0, over)]:
                 ray.kill(self._describers.pop(old).actor, no_restart=True)
+            found = self._describers[digest] = _Describer(digest, self.env(digest))
         self._describers.move_to_end(digest)
+        return found
+
+    @staticmethod
+    def _idle(describer: _Describer) -> bool:
+        """Loaded, and no answer of it awaited (a describe call, the non-fusible probes)."""
+        if not describer.ok or describer.inflight:
+            return False
+        pending = [ref for ref, _ in describer.non_fusible.values()]
+        return not pending or len(ray.wait(pending, num_returns=len(pending), timeout=0)[0]) == len(pending)
+
+    def _existing(self, digest: str) -> _Describer:
+        found = self._describer(digest)
+        assert found is not None  # started whatever the limit: a call needs it now
         return found
 
     def ready(self, study: Study) -> bool:
@@ -92,10 +111,16 @@ class PackageRuntime:
         """
         if study.package is None:
             return True
-        describer = self._describer(study.package)
+        describer = self._describer(study.package, wait=True)
+        if describer is None:
+            return False  # every describer is busy: a place frees as one loads or answers
         if not describer.ok:
             done, _ = ray.wait([describer.checked], timeout=0)
             if not done:
+                if time.monotonic() - describer.since > self.settings.package_load_timeout_s:
+                    self._forget(study.package)
+                    raise PackageError(f"its code package {study.package[:12]} did not load in "
+                                       f"{self.settings.package_load_timeout_s:.0f} s (FUSETUNE_PACKAGE_LOAD_TIMEOUT_S)")
                 return False
             self._get(study.package, describer.checked, "load its workload")
             describer.ok = True
@@ -110,15 +135,6 @@ class PackageRuntime:
             describer.non_fusible[space] = (ref, time.monotonic())
         ref, since = describer.non_fusible[space]
         return self._answered(study.package, ref, since, "find its non-fusible params")
-
-    def loaded(self, study: Study) -> bool:
-        """:meth:`ready`, for placing the study's waiting trials (``Dispatcher._mirrored``): a
-        package that failed is not held there, since asking the study or training it fails the
-        study, with the reason."""
-        try:
-            return self.ready(study)
-        except PackageError:
-            return True
 
     def warm(self, pool: WorkerPool, studies: Sequence[Study]) -> list[WorkerHandle]:
         """Start idle workers in the env of each running study's package whose describer is
@@ -154,7 +170,7 @@ class PackageRuntime:
     def describe(self, study: Study, params: Sequence[Mapping[str, Any]], training: TrainingSpec | None) -> ray.ObjectRef:
         """Send trials to be described (``PackageDescriber.describe``): read the answer with :meth:`described`."""
         assert study.package is not None
-        describer = self._describer(study.package)
+        describer = self._existing(study.package)
         describer.inflight += 1
         ref: ray.ObjectRef = describer.actor.describe.remote([dict(p) for p in params], training)
         return ref
@@ -182,7 +198,7 @@ class PackageRuntime:
             ValueError: no probe of the space built a model (as ``non_fusible_params``).
         """
         assert study.package is not None
-        describer = self._describer(study.package)
+        describer = self._existing(study.package)
         sent = describer.non_fusible.get(json.dumps(study.search_space, sort_keys=True))
         ref = sent[0] if sent is not None else describer.actor.non_fusible.remote(dict(distributions))
         found = self._get(study.package, ref, "find its non-fusible params")
@@ -196,7 +212,7 @@ class PackageRuntime:
         """Start measuring the memory model of an array of these params' class (read with
         ``WorkerPool.measured``)."""
         assert study.package is not None
-        return self._describer(study.package).actor.memory_model.remote(params, training)
+        return self._existing(study.package).actor.memory_model.remote(params, training)
 
     def _answered(self, digest: str, ref: ray.ObjectRef, since: float, doing: str) -> bool:
         """Whether a call sent at ``since`` has answered (PackageError once it is overdue)."""

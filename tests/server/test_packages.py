@@ -209,3 +209,24 @@ def test_a_manifests_space_has_a_studys_cap() -> None:
     with pytest.raises(pydantic.ValidationError) as refused:
         Manifest.model_validate(manifest(search_space={f"p{i}": lr for i in range(MAX_SEARCH_SPACE_PARAMS + 1)}))
     assert [e["loc"] for e in refused.value.errors()] == [("search_space",)]
+
+
+def test_the_zip_directory_is_bounded_before_its_entries_are_read() -> None:
+    """zipfile builds an object per central-directory entry (1.4 million in 64 MiB took 700 MB)
+    before they can be counted: the end record's count and the directory's size are held
+    against FUSETUNE_PACKAGE_MAX_FILES first, and a count that lies is caught by the size."""
+    from fusetune.server.errors import TooLarge
+    from fusetune.server.packages import Limits, check_package
+
+    limits = Limits(max_bytes=10**6, max_files=2, max_unpacked_bytes=10**6)
+    files = {"fusetune.json": json.dumps(manifest()).encode(), **{f"m{i}.py": b"" for i in range(3)}}
+    honest = zipped(files)
+    with pytest.raises(TooLarge, match="directory lists 4 entries") as refused:
+        check_package(honest, digest(honest), limits)
+    assert "FUSETUNE_PACKAGE_MAX_FILES" in str(refused.value)
+    long_names = zipped({"fusetune.json": files["fusetune.json"], **{"d/" + "x" * 600 + f"{i}.py": b"" for i in range(2)}})
+    lying = bytearray(long_names)
+    end = lying.rindex(b"PK\x05\x06")
+    lying[end + 8:end + 12] = (1).to_bytes(2, "little") * 2  # "1 entry", on this disk and in all
+    with pytest.raises(TooLarge, match="directory lists 1 entries in"):
+        check_package(bytes(lying), digest(bytes(lying)), limits)
