@@ -476,9 +476,10 @@ def test_what_a_packages_processes_send_back_never_runs_code_in_the_server(
     assert not marker.exists()  # nothing unpickled the name, in the server or anywhere
 
 
-#: A module that, in every process but the client's, has the describer answer a trial's
-#: unused params as a list sharing one inner list 2**40 times over: a few hundred bytes sent,
-#: and JSON written from it would never end (it froze the whole service).
+#: A module that, in every process but the client's, replaces ``{patch}`` (what a describer
+#: answers as a trial's unused params, or a worker's report's warnings) with a list sharing one
+#: inner list 2**40 times over: a few hundred bytes sent, and JSON written from it would never
+#: end (it froze the whole service).
 LAUGHING = '''
 import os
 import torch
@@ -489,6 +490,7 @@ from fusetune import Workload
 
 if os.getpid() != {client}:
     import fusetune.workers.describer as describer
+    import fusetune.workers.training as training
 
     def laughs(*args, **kwargs):
         inner = []
@@ -496,7 +498,7 @@ if os.getpid() != {client}:
             inner = [inner, inner]
         return ["lr", inner]
 
-    describer.unused_params = laughs
+    {patch} = laughs
 
 def build(params):
     return nn.Linear(4, 2)
@@ -516,16 +518,22 @@ WORKLOAD = Workload(name="byo-laughing", build_model=build, search_space=space, 
 '''
 
 
-def test_a_describers_answer_is_checked_before_anything_walks_it(service: ServiceProcess, token: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("patch", "error"), [
+    ("describer.unused_params", "not a list of descriptions"),  # the describer's answer
+    ("training.ArrayRun._new_warnings", "sent a malformed message: EpochReport.warnings.1"),  # a worker's report
+], ids=["describer", "worker"])
+def test_what_a_packages_processes_answer_is_checked_before_anything_walks_it(
+    service: ServiceProcess, token: str, tmp_path: Path, patch: str, error: str,
+) -> None:
     code = tmp_path / "laughing"
     code.mkdir()
     module = f"byo_laughing_{uuid.uuid4().hex[:8]}"
-    (code / f"{module}.py").write_text(LAUGHING.format(client=os.getpid()))
+    (code / f"{module}.py").write_text(LAUGHING.format(client=os.getpid(), patch=patch))
     with Client(service.url, token=token) as client:
         created = ft.create_study(workload=f"{module}:WORKLOAD", code=code, n_trials=2, epochs=1, url=service.url, token=token)
         (row,) = [s for s in client.studies() if s["name"] == created.study_name]
         failed = ended(client, row["id"])
-        assert failed["state"] == "FAILED" and "not a list of descriptions" in failed["error"], failed["error"]
+        assert failed["state"] == "FAILED" and error in failed["error"], failed["error"]
         other = client.submit({"workload": "digits-mlp", "n_trials": 2, "epochs": 1})
         assert ended(client, other["id"])["state"] == "COMPLETE"
 

@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from fusetune.workers import untrusted
 from fusetune.workers.actor import ArrayWorker
 from fusetune.workers.package import PackageError
-from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec
+from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport, MemberSpec, TrainingSpec, checked
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +373,14 @@ class WorkerPool:
                 self._replace(worker)
             except ray.exceptions.RayError as exc:
                 item = exc
+            if isinstance(item, (EpochReport, ArrayOutcome)):
+                try:
+                    item = checked(item)
+                except ValueError as exc:  # what its process sent is not the protocol: that process goes
+                    malformed = f"worker {worker.name} sent a malformed message: {exc}"
+                    item = PackageError(malformed) if worker.package is not None else RuntimeError(malformed)
+                    self._kill(worker)
+                    self._replace(worker)
             if not isinstance(item, EpochReport):
                 worker.spec, worker.stream, worker.ping = None, None, None
             events.append((worker, spec, item))

@@ -9,7 +9,24 @@ pruner, waits for the :class:`EpochReply` with its decisions; it ends with an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+
+#: A report is read back as the tenant's code may have made it (workers/untrusted.py admits
+#: its classes only): each is checked against its fields' types, and its sizes are bounded,
+#: before the control plane writes any of it (:func:`checked`).
+_CHECKED = ConfigDict(revalidate_instances="always")
+_MAX_MEMBERS = 4096  # the most an array has (a study's max_array_size)
+_MAX_ITEMS = 64  # objectives, timing phases, warnings
+
+
+def _cut(limit: int) -> BeforeValidator:
+    return BeforeValidator(lambda v: v[:limit] if isinstance(v, str) else v)
+
+
+_Text = Annotated[str, _cut(16_384)]  # an error, a traceback, a warning: its beginning
+_Path = Annotated[str, Field(max_length=4096)]
 
 
 @dataclass(frozen=True)
@@ -123,19 +140,23 @@ class MemberReport:
     trial from it after a crash, and never looks into the store itself.
     """
 
+    __pydantic_config__ = _CHECKED
+
     trial_id: int
     step: int  # the member's own epoch index: members of one array can be at different epochs
     value: float
     state: Literal["COMPLETE", "FAIL"] | None = None
-    error: str | None = None
-    state_dict: str | None = None
-    values: tuple[float, ...] = ()
+    error: _Text | None = None
+    state_dict: _Path | None = None
+    values: Annotated[tuple[float, ...], Field(max_length=_MAX_ITEMS)] = ()
     checkpoint_epoch: int | None = None
 
 
 @dataclass(frozen=True)
 class Joined:
     """A member that started training in this array at the last boundary."""
+
+    __pydantic_config__ = _CHECKED
 
     trial_id: int
     resumed_at_epoch: int | None = None  # the checkpoint's epochs done, when it resumed from one
@@ -145,18 +166,20 @@ class Joined:
 class EpochReport:
     """Everything one array-epoch produced: the control plane writes it in one transaction."""
 
+    __pydantic_config__ = _CHECKED
+
     array_id: int
-    members: tuple[MemberReport, ...]
-    joined: tuple[Joined, ...] = ()  # started since the previous report
-    released: tuple[int, ...] = ()  # preempted trial ids that left checkpointed
+    members: Annotated[tuple[MemberReport, ...], Field(max_length=_MAX_MEMBERS)]
+    joined: Annotated[tuple[Joined, ...], Field(max_length=_MAX_MEMBERS)] = ()  # started since the previous report
+    released: Annotated[tuple[int, ...], Field(max_length=_MAX_MEMBERS)] = ()  # preempted trial ids that left checkpointed
     size: int = 0  # B that trained this epoch
     member_steps: int = 0  # models·steps done this epoch
     train_seconds: float = 0.0
     solo_steps_per_s: float | None = None  # the unfused probe's speed, when the spec asked for it
-    timings: dict[str, float] = field(default_factory=dict)  # seconds by phase, this epoch
+    timings: Annotated[dict[str, float], Field(max_length=_MAX_ITEMS)] = field(default_factory=dict)  # seconds by phase, this epoch
     # What the study's user should know of how this array trains, new since its last report:
     # modules the fused model runs once per member (exact, but without fusion's speed-up).
-    warnings: tuple[str, ...] = ()
+    warnings: Annotated[tuple[_Text, ...], Field(max_length=_MAX_ITEMS)] = ()
 
 
 @dataclass(frozen=True)
@@ -173,21 +196,46 @@ class EpochReply:
 class ArrayOutcome:
     """How an array ended, member by member (trial ids)."""
 
+    __pydantic_config__ = _CHECKED
+
     array_id: int
-    completed: list[int] = field(default_factory=list)
-    pruned: list[int] = field(default_factory=list)
-    failed: dict[int, str] = field(default_factory=dict)
-    released: list[int] = field(default_factory=list)  # preempted: checkpointed and waiting again
+    completed: Annotated[list[int], Field(max_length=_MAX_MEMBERS)] = field(default_factory=list)
+    pruned: Annotated[list[int], Field(max_length=_MAX_MEMBERS)] = field(default_factory=list)
+    failed: Annotated[dict[int, _Text], Field(max_length=_MAX_MEMBERS)] = field(default_factory=dict)
+    released: Annotated[list[int], Field(max_length=_MAX_MEMBERS)] = field(default_factory=list)  # preempted: checkpointed and waiting again
     epochs_done: int = 0
     models_steps_per_s: float | None = None
     members: int = 0  # how many members trained (B)
-    timings: dict[str, float] = field(default_factory=dict)  # seconds by phase, whole array
-    error: str | None = None
+    timings: Annotated[dict[str, float], Field(max_length=_MAX_ITEMS)] = field(default_factory=dict)  # seconds by phase, whole array
+    error: _Text | None = None
     oom: bool = False  # the device ran out of memory: the control plane splits the array and retries
     # Why the members cannot train fused (naming the module), when the fused model failed its
     # first step or evaluation and the plain model trains: the members were not failed (they
     # wait again), and the control plane trains their class unfused, in arrays of one.
-    unfusible: str | None = None
+    unfusible: _Text | None = None
     # The tenant's code package failed to load in the worker (its traceback): the control plane
     # fails the study, whose every array would fail the same way.
-    package_error: str | None = None
+    package_error: _Text | None = None
+
+
+_ADAPTERS: dict[type, TypeAdapter[Any]] = {EpochReport: TypeAdapter(EpochReport), ArrayOutcome: TypeAdapter(ArrayOutcome)}
+
+
+def checked(message: EpochReport | ArrayOutcome) -> EpochReport | ArrayOutcome:
+    """A worker's report or outcome as the control plane may read it: its fields of their
+    types and within their bounds (long texts cut), a new object.
+
+    Raises:
+        ValueError: naming the first field that is not, without printing its value (a list
+            sharing one inner list many times over prints for ever).
+    """
+    adapter = _ADAPTERS.get(type(message))
+    if adapter is None:
+        raise ValueError(f"{type(message).__name__} is not a report or an outcome")
+    try:
+        found: EpochReport | ArrayOutcome = adapter.validate_python(message)
+    except ValidationError as exc:
+        first = exc.errors(include_input=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"{type(message).__name__}.{where}: {first['msg']}") from None
+    return found
