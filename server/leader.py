@@ -217,7 +217,7 @@ class Leadership:
 
 
 def make_pool(settings: Settings) -> WorkerPool:
-    """The worker pool as the settings configure it (CPU workers, Ray timeouts, heartbeats)."""
+    """The worker pool as the settings configure it (CPU workers, Ray timeouts, heartbeats, the epoch deadline)."""
     from fusetune.workers.pool import WorkerPool
 
     return WorkerPool(
@@ -225,6 +225,8 @@ def make_pool(settings: Settings) -> WorkerPool:
         timeout_s=settings.ray_timeout_s,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         heartbeat_timeout_s=settings.heartbeat_timeout_s,
+        epoch_timeout_s=settings.epoch_timeout_s,
+        setup_grace_s=settings.package_load_timeout_s,
     )
 
 

@@ -85,6 +85,15 @@ class Settings(BaseSettings):
         description="A busy worker that answers no ping for this long is hung: it is killed and replaced, "
         "and its members resume from their checkpoints.",
     )
+    epoch_timeout_s: float | None = Field(
+        3600.0,
+        gt=0,
+        description="Longest an array's epoch may run (its validation and checkpoint included; the first "
+        "epoch of a code package's array also gets FUSETUNE_PACKAGE_LOAD_TIMEOUT_S for its environment and "
+        "import). Preemption waits for epoch boundaries, so an epoch that never ends would hold its worker past "
+        "its tenant's share for ever: past this the worker is killed and replaced, and the array's trials fail "
+        "with an error naming this setting (a waiting pruning decision does not count). Unset: no deadline.",
+    )
     db_retry_s: float = Field(
         1.0, gt=0, description="First wait before the scheduling loop retries a database that failed (doubling, up to 5 s)."
     )

@@ -32,6 +32,8 @@ ONE_SHAPE = {
     "lr": D.distribution_to_json(D.FloatDistribution(0.01, 0.1)),
 }
 
+EPOCH_TIMEOUT_S = 20.0
+
 
 @pytest.fixture(scope="module")
 def service(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Client, str, Path]]:
@@ -40,6 +42,8 @@ def service(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     with running_service(
         ray_cluster, url, cpu_workers=1, max_array_size=4, artifact_dir=root / "artifacts",
         checkpoint_interval_s=0, heartbeat_interval_s=0.5, heartbeat_timeout_s=5, allow_workload_imports=True,
+        # Far above any epoch of the digits MLP here, far below what the endless workload's takes.
+        epoch_timeout_s=EPOCH_TIMEOUT_S,
     ) as client:
         yield client, url, root / "artifacts"
 
@@ -140,6 +144,37 @@ def test_a_study_whose_sampler_raises_or_whose_workload_cannot_build_fails_alone
         "a study's sampler raises / its workload cannot build", points_lost=0, points_duplicated=0,
         trials_failed=result["trials_failed"], epochs_retrained=0,
         trials=4, epochs=3, recover_s=None, how="measured by tests/test_faults.py (the neighbouring study's curves)",
+    )
+
+
+def test_an_epoch_that_never_ends_fails_its_trials_and_frees_its_worker(service: tuple[Client, str, Path]) -> None:
+    """The endless workload's first epoch never ends, though its worker answers every heartbeat.
+    Past FUSETUNE_EPOCH_TIMEOUT_S its worker is killed and replaced; its trials fail with an error
+    naming the setting (they do not resume, to overrun again); the next study trains on the new
+    worker (the service has one)."""
+    client, url, _ = service
+    endless = client.create_study(
+        "tests.endless_workload:WORKLOAD", n_trials=2, epochs=2, name="fault-endless", search_space=ONE_SHAPE,
+        sampler={"name": "RandomSampler", "kwargs": {"seed": 3}},
+    )
+    failed = client.wait(endless["id"], timeout=300)
+    assert failed["state"] == "FAILED" and {k: n for k, n in failed["trial_counts"].items() if n} == {"FAIL": 2}
+    trials = client.trials(endless["id"])
+    assert all("FUSETUNE_EPOCH_TIMEOUT_S" in t["error"] and "20 s" in t["error"] for t in trials), trials
+    (array,) = client.arrays(endless["id"])  # one array of both: neither was resumed elsewhere
+    assert array["state"] == "FAIL" and "epoch timeout" in array["error"]
+    after = client.create_study(
+        "digits-mlp", n_trials=2, epochs=2, name="fault-after-endless", search_space=ONE_SHAPE,
+        sampler={"name": "RandomSampler", "kwargs": {"seed": 4}},
+    )
+    done = client.wait(after["id"], timeout=300)
+    assert done["state"] == "COMPLETE" and done["trial_counts"].get("COMPLETE") == 2
+    result = audit(url, "fault-after-endless", 2)
+    assert result["points_lost"] == 0 and result["points_duplicated"] == 0
+    record(
+        "an epoch never ends (epoch timeout 20 s)", points_lost=0, points_duplicated=0, trials_failed=2,
+        epochs_retrained=0, trials=2, epochs=2, recover_s=None,
+        how="measured by tests/test_faults.py (its trials fail; the next study trains on the replaced worker)",
     )
 
 

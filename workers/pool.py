@@ -33,6 +33,12 @@ class WorkerHung(RuntimeError):
     """A busy worker answered no heartbeat within the timeout: it was killed."""
 
 
+class EpochOverran(RuntimeError):
+    """An array's epoch ran past the epoch deadline: its worker was killed. The array's own
+    doing (its model, data or training code), not the worker's: its members fail, and do not
+    resume elsewhere to overrun again."""
+
+
 def declared_device_type(resources: Mapping[str, float]) -> str | None:
     """The device type a node's Ray resources declare for its CPU workers (see
     :data:`DEVICE_RESOURCE_PREFIX`); None when they declare none (the workers are ``cpu``).
@@ -77,6 +83,8 @@ class WorkerHandle:
     ping: tuple[ray.ObjectRef, float] | None = field(default=None, repr=False)  # a heartbeat in flight, sent at
     last_ping: float = 0.0
     hung: bool = False  # killed for answering no heartbeat
+    deadline: float | None = None  # monotonic time by which its array's running epoch must report; None: none runs
+    overran: bool = False  # killed for running an epoch past its deadline
     coming_up: ray.ObjectRef | None = field(default=None, repr=False)  # its first info() call (or its restarted actor's), until it answers
     backend: str = "cpu"
     package: str | None = None  # the code package its actor runs (its runtime_env); None: the service's own code
@@ -103,6 +111,11 @@ class WorkerPool:
         timeout_s: the longest wait for a call that answers at once (a new worker's info).
         heartbeat_interval_s, heartbeat_timeout_s: busy workers are pinged this often; one
             that answers none for the timeout is hung, and killed (see :meth:`heartbeat`).
+        epoch_timeout_s: the longest an array's epoch may run, from its start (or the reply to
+            the last epoch's report) to its report or outcome; a worker whose epoch runs longer
+            is killed (:meth:`heartbeat`). None: no deadline.
+        setup_grace_s: added to the first epoch's deadline of a code package's array, for its
+            runtime env's setup and the package's import.
     """
 
     def __init__(
@@ -112,16 +125,21 @@ class WorkerPool:
         timeout_s: float = 60.0,
         heartbeat_interval_s: float = 5.0,
         heartbeat_timeout_s: float = 120.0,
+        epoch_timeout_s: float | None = None,
+        setup_grace_s: float = 0.0,
     ) -> None:
         self.cpu_workers = cpu_workers
         self.name_prefix = name_prefix
         self.timeout_s = timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.epoch_timeout_s = epoch_timeout_s
+        self.setup_grace_s = setup_grace_s
         self.workers: list[WorkerHandle] = []
         self._cpu_threads: int | None = None  # threads of each CPU worker, fixed at the first refresh
         self._index: dict[str, int] = {}  # device type -> the next worker's number
         self._starting: list[WorkerHandle] = []  # started, waiting for their resources
+        self._replacing: list[WorkerHandle] = []  # a dead actor's successor, until its process answers (renamed)
         self.refresh()
 
     def refresh(self) -> list[WorkerHandle]:
@@ -135,12 +153,13 @@ class WorkerPool:
         (:func:`declared_device_type`).
         """
         nodes = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
-        gone = [w for w in [*self.workers, *self._starting] if w.idle and w.node_id and w.node_id not in nodes]
+        gone = [w for w in [*self.workers, *self._starting, *self._replacing] if w.idle and w.node_id and w.node_id not in nodes]
         for worker in gone:
             log.warning("worker %s left with its node %s", worker.name, worker.node_id[:12])
             self._kill(worker)
         self.workers = [w for w in self.workers if w not in gone]
         self._starting = [w for w in self._starting if w not in gone]
+        self._replacing = [w for w in self._replacing if w not in gone]
         accelerators = any(r.get("GPU", 0) >= 1 or r.get("TPU", 0) >= 1 for r in nodes.values())
         slots: list[tuple[str, str, int, str]] = []  # device type, backend, threads, node id
         budget: int | None = None  # CPU workers left to place in the first refresh
@@ -150,7 +169,7 @@ class WorkerPool:
                 self.cpu_workers = budget = self.cpu_workers or total
                 self._cpu_threads = max(1, total // self.cpu_workers)
         for node_id, resources in nodes.items():
-            mine = [w for w in [*self.workers, *self._starting] if w.node_id == node_id]
+            mine = [w for w in [*self.workers, *self._starting, *self._replacing] if w.node_id == node_id]
             if accelerators:
                 for device_type, resource in (("cuda", "GPU"), ("xla", "TPU")):
                     have = sum(w.backend == device_type for w in mine)
@@ -180,7 +199,7 @@ class WorkerPool:
         wait = self.timeout_s if not self.workers else 0.0
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait) if pending else ([], [])
         started = []
-        per_node = {n: sum(w.node_id == n and w.backend == "cpu" for w in [*self.workers, *self._starting]) for n in nodes}
+        per_node = {n: sum(w.node_id == n and w.backend == "cpu" for w in [*self.workers, *self._starting, *self._replacing]) for n in nodes}
         for ref in ready:
             worker = pending[ref]
             self._starting.remove(worker)
@@ -193,21 +212,31 @@ class WorkerPool:
                 continue
             self.workers.append(worker)
             started.append(worker)
-        return started + self._renamed()
+        return started + self.renamed()
 
-    def _renamed(self) -> list[WorkerHandle]:
-        """The workers restarted in a code package's env (:meth:`submit`) whose new process has
-        answered since: their ``node`` (its host:pid) is the new one's now."""
-        asked = {w.coming_up: w for w in self.workers if w.coming_up is not None}
+    def renamed(self) -> list[WorkerHandle]:
+        """The workers restarted (in a code package's env by :meth:`submit`, or replacing a dead
+        actor: :meth:`_replace`) whose new process has answered since: their ``node`` (its
+        host:pid) is the new one's now, and a replacement is in :attr:`workers` again. Waits
+        for nothing."""
+        asked = {w.coming_up: w for w in [*self.workers, *self._replacing] if w.coming_up is not None}
         answered, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0) if asked else ([], [])
         renamed = []
         for ref in answered:
             worker = asked[ref]
             worker.coming_up = None
+            replacement = worker in self._replacing
             try:
                 worker.node = untrusted.get(ref, timeout=self.timeout_s)["node"]
-            except Exception:  # it did not come up: its array's stream says why (wait)
+            except Exception as exc:  # it did not come up: a busy one's array's stream says why (wait)
+                if replacement:  # try again on its node, or drop it with its node
+                    log.warning("worker %s did not come up again: %s", worker.name, exc)
+                    self._replacing.remove(worker)
+                    self._replace(worker)
                 continue
+            if replacement:
+                self._replacing.remove(worker)
+                self.workers.append(worker)
             renamed.append(worker)
         return renamed
 
@@ -272,7 +301,13 @@ class WorkerPool:
             self._restart(worker, spec.package, env)
         worker.spec = spec
         worker.stream = worker.actor.run.remote(spec)
-        worker.ping, worker.last_ping, worker.hung = None, time.monotonic(), False
+        worker.ping, worker.last_ping, worker.hung, worker.overran = None, time.monotonic(), False, False
+        self._arm(worker, self.setup_grace_s if spec.package is not None else 0.0)
+
+    def _arm(self, worker: WorkerHandle, grace_s: float = 0.0) -> None:
+        """Start the clock of the epoch ``worker`` starts now (see ``epoch_timeout_s``)."""
+        if self.epoch_timeout_s is not None:
+            worker.deadline = time.monotonic() + self.epoch_timeout_s + grace_s
 
     def prepare(self, worker: WorkerHandle, package: str, env: dict[str, Any]) -> None:
         """Restart the idle ``worker`` in code ``package``'s runtime ``env`` ahead of the package's
@@ -299,6 +334,7 @@ class WorkerPool:
         if worker.spec is None:
             raise RuntimeError(f"worker {worker.name} is not training an array")
         worker.actor.reply.remote(worker.spec.array_id, reply)
+        self._arm(worker)  # its next epoch starts: the time it waited for this reply is not its own
 
     def offer(self, worker: WorkerHandle, members: list[MemberSpec], after_epoch: int = 0) -> None:
         """Hand newcomers to the array ``worker`` is training; they join at its first epoch
@@ -314,17 +350,26 @@ class WorkerPool:
         worker.actor.release.remote(worker.spec.array_id, trial_ids)
 
     def heartbeat(self) -> list[WorkerHandle]:
-        """Ping the busy workers; kill each that has answered no ping for ``heartbeat_timeout_s``.
+        """Ping the busy workers; kill each that has answered no ping for ``heartbeat_timeout_s``,
+        and each whose epoch has run past ``epoch_timeout_s``.
 
         A ping is served on the actor's second thread, so a worker answers while it trains;
         one that does not (its process is frozen, or stuck holding the interpreter) is hung.
         Its array's stream then reports its death (:meth:`wait`), it is replaced, and its
-        members resume from their checkpoints. Returns the workers killed now.
+        members resume from their checkpoints. A worker that answers pings but whose epoch
+        never ends (a training loop that never returns) is killed the same way, but its
+        stream reports :class:`EpochOverran`: its members fail. Returns the workers killed now.
         """
         now = time.monotonic()
         killed = []
         for worker in self.workers:
-            if worker.idle or worker.hung:
+            if worker.idle or worker.hung or worker.overran:
+                continue
+            if worker.deadline is not None and now > worker.deadline:
+                log.error("worker %s ran an epoch past its deadline (%.0f s): killing it", worker.name, self.epoch_timeout_s or 0)
+                worker.overran, worker.ping = True, None
+                self._kill(worker)
+                killed.append(worker)
                 continue
             if worker.ping is not None:
                 ref, sent = worker.ping
@@ -367,6 +412,11 @@ class WorkerPool:
                 item = RuntimeError(f"worker {worker.name} ended array {spec.array_id} without an outcome")
             except ray.exceptions.RayActorError as exc:
                 item = WorkerHung(f"no heartbeat in {self.heartbeat_timeout_s:.0f} s, killed") if worker.hung else exc
+                if worker.overran:
+                    item = EpochOverran(
+                        f"an epoch ran longer than the epoch timeout ({self.epoch_timeout_s:g} s, "
+                        "FUSETUNE_EPOCH_TIMEOUT_S): its worker was killed"
+                    )
                 self._replace(worker)
             except ray.exceptions.RuntimeEnvSetupError as exc:  # the package's env: its fault, not the worker's
                 item = PackageError(f"its runtime environment could not be set up on {worker.node}: {exc}")
@@ -381,6 +431,7 @@ class WorkerPool:
                     item = PackageError(malformed) if worker.package is not None else RuntimeError(malformed)
                     self._kill(worker)
                     self._replace(worker)
+            worker.deadline = None  # until the reply to its report starts the next epoch
             if not isinstance(item, EpochReport):
                 worker.spec, worker.stream, worker.ping = None, None, None
             events.append((worker, spec, item))
@@ -412,25 +463,24 @@ class WorkerPool:
         return int(base), int(member)
 
     def _replace(self, worker: WorkerHandle) -> None:
-        """A new actor for a dead one, on its node; none if the node left (or it cannot start).
-        It runs no package: the next array of one restarts it in that package's env (:meth:`submit`)."""
+        """A new actor for a dead one, on its node; none if the node left. It runs no package:
+        the next array of one restarts it in that package's env (:meth:`submit`).
+
+        Nothing waits for the new process (it takes seconds to start): the worker leaves
+        :attr:`workers` until it has answered, and :meth:`renamed` brings it back. One that
+        never comes up (its node was dying) is started again there, or dropped with its node."""
+        self.workers = [w for w in self.workers if w is not worker]
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         if worker.node_id in alive or not worker.node_id:
-            fresh = self._start(worker.name, worker.device_type, worker.num_threads, worker.node_id, worker.backend)
-            try:
-                sharing = sum(w.node_id == worker.node_id and w.backend == "cpu" for w in self.workers)
-                self._describe(fresh, max(1, sharing))
-                worker.actor, worker.node, worker.hung, worker.package = fresh.actor, fresh.node, False, None
-                worker.coming_up = None
-                return
-            except Exception as exc:
-                log.warning("worker %s could not be restarted on its node: %s", worker.name, exc)
-                self._kill(fresh)
+            self._restart(worker, None, None)
+            worker.hung, worker.overran = False, False
+            self._replacing.append(worker)
+            return
         log.warning("worker %s left with its node %s", worker.name, worker.node_id[:12])
-        self.workers = [w for w in self.workers if w is not worker]
 
     def shutdown(self) -> None:
-        for worker in [*self.workers, *self._starting]:
+        for worker in [*self.workers, *self._starting, *self._replacing]:
             self._kill(worker)
         self.workers.clear()
         self._starting.clear()
+        self._replacing.clear()

@@ -185,7 +185,9 @@ class SchedulingLoop:
     def turn(self) -> None:
         """One turn of the loop's thread: the inbox, what the database refused earlier, a step
         when one is due or asked for, then the workers' next words (or a wait to be woken)."""
-        self.pool.heartbeat()  # a hung worker is killed; its stream then says so
+        self.pool.heartbeat()  # a hung worker, or one past its epoch deadline, is killed; its stream then says so
+        if self.pool.renamed():  # restarted workers' new processes are up: their host:pid goes on their rows now
+            self.recorder.workers_changed, self._next_step = True, 0.0
         self.thread.run_inbox()
         if self.recorder.backlog and self.handle(()):  # what the database refused earlier, in order, first
             self._next_step = 0.0

@@ -44,7 +44,7 @@ from fusetune.server.loop.thread import database_unavailable
 from fusetune.server.loop.throughput import Throughput
 from fusetune.server.mirror import StudyMirror
 from fusetune.workers.package import PackageError
-from fusetune.workers.pool import Event, WorkerHandle
+from fusetune.workers.pool import EpochOverran, Event, WorkerHandle
 from fusetune.workers.spec import ArrayOutcome, ArraySpec, EpochReply, EpochReport
 
 __all__ = ["Recorder", "add_timings"]
@@ -449,8 +449,9 @@ class Recorder:
                 rows.never_joined(session, array.id)
                 # Members still running when the array ended: those whose worker died resume
                 # from their checkpoint (at most _MAX_RESUMES times); the others fail with the error.
-                # A code package whose env or code failed: the tenant's fault, not the worker's.
-                died = not isinstance(result, (ArrayOutcome, PackageError))
+                # A code package whose env or code failed, or an epoch that overran its deadline:
+                # the tenant's fault, not the worker's (resumed, it would do the same again).
+                died = not isinstance(result, (ArrayOutcome, PackageError, EpochOverran))
                 # Out of memory: the class's arrays on this device type are capped at half this
                 # size from now on, and the members wait again for the halves. A model that fuses
                 # by neither path: its class trains unfused from now on, one member per array.
