@@ -32,7 +32,7 @@ ONE_SHAPE = {
     "lr": D.distribution_to_json(D.FloatDistribution(0.01, 0.1)),
 }
 
-EPOCH_TIMEOUT_S = 20.0
+EPOCH_TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_an_epoch_that_never_ends_fails_its_trials_and_frees_its_worker(service:
     failed = client.wait(endless["id"], timeout=300)
     assert failed["state"] == "FAILED" and {k: n for k, n in failed["trial_counts"].items() if n} == {"FAIL": 2}
     trials = client.trials(endless["id"])
-    assert all("FUSETUNE_EPOCH_TIMEOUT_S" in t["error"] and "20 s" in t["error"] for t in trials), trials
+    assert all("FUSETUNE_EPOCH_TIMEOUT_S" in t["error"] and "10 s" in t["error"] for t in trials), trials
     (array,) = client.arrays(endless["id"])  # one array of both: neither was resumed elsewhere
     assert array["state"] == "FAIL" and "epoch timeout" in array["error"]
     after = client.create_study(
@@ -172,7 +172,7 @@ def test_an_epoch_that_never_ends_fails_its_trials_and_frees_its_worker(service:
     result = audit(url, "fault-after-endless", 2)
     assert result["points_lost"] == 0 and result["points_duplicated"] == 0
     record(
-        "an epoch never ends (epoch timeout 20 s)", points_lost=0, points_duplicated=0, trials_failed=2,
+        "an epoch never ends (epoch timeout 10 s)", points_lost=0, points_duplicated=0, trials_failed=2,
         epochs_retrained=0, trials=2, epochs=2, recover_s=None,
         how="measured by tests/test_faults.py (its trials fail; the next study trains on the replaced worker)",
     )
