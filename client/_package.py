@@ -147,6 +147,7 @@ def package(
     else:
         found, entry, pickled = _as_workload(workload), None, PICKLE
         files[PICKLE] = _pickle_by_value(found)
+    _check_training(found)
     if search_space is None:
         search_space = static_search_space(found.search_space, union=conditional)
     if not search_space:
@@ -217,9 +218,22 @@ def _folder(root: Path, excludes: Sequence[str], max_unpacked_bytes: int, max_fi
 
 
 def _walk(root: Path, spec: Any) -> Iterator[Path]:
-    for folder, dirs, names in os.walk(root):  # symlinked folders are not followed (they may loop)
+    """The files under ``root`` that no exclude matches. Symlinks are followed, as Ray follows
+    them in a ``working_dir`` (a ``data/`` linked in is uploaded): a link to a folder above it,
+    or to one already walked, is not walked again, so a loop ends."""
+    walked = {os.path.realpath(root)}
+    for folder, dirs, names in os.walk(root, followlinks=True):
         here = Path(folder)
-        dirs[:] = sorted(d for d in dirs if not spec.match_file((here / d).relative_to(root).as_posix() + "/"))
+        kept = []
+        for d in sorted(dirs):
+            if spec.match_file((here / d).relative_to(root).as_posix() + "/"):
+                continue
+            real = os.path.realpath(here / d)
+            if real in walked or any(os.path.commonpath([real, w]) == real for w in walked):
+                continue  # an ancestor of a walked folder (a loop), or the same one linked twice
+            walked.add(real)
+            kept.append(d)
+        dirs[:] = kept
         for name in sorted(names):
             path = here / name
             if not spec.match_file(path.relative_to(root).as_posix()) and path.is_file():
@@ -311,6 +325,19 @@ def _as_workload(obj: object) -> Workload:
     return obj
 
 
+def _check_training(workload: Workload) -> None:
+    """The workload's optimizer and scheduler defaults, checked here as the service checks a
+    study's: a misspelt argument is refused before upload, naming it, not in every trial."""
+    from fusetune.workers.optimization import OptionError, check_lr_scheduler_spec, check_optimizer_spec
+
+    try:
+        check_optimizer_spec(workload.optimizer, workload.optimizer_defaults, where="optimizer_defaults")
+        if workload.lr_scheduler is not None:
+            check_lr_scheduler_spec(workload.lr_scheduler, workload.lr_scheduler_defaults, where="lr_scheduler_defaults")
+    except OptionError as exc:
+        raise ValueError(f"workload {workload.name!r}: {exc}") from None
+
+
 def _json(value: Any, field: str) -> Any:
     try:
         return json.loads(json.dumps(value))
@@ -352,10 +379,30 @@ def _pickle_by_value(workload: Workload) -> bytes:
             cloudpickle.register_pickle_by_value(module)
             added.append(name)
     try:
-        return cloudpickle.dumps(workload)
+        try:
+            return cloudpickle.dumps(workload)
+        except Exception as exc:  # a lock, an open file, a connection the workload's functions hold
+            raise TypeError(f"workload {workload.name!r} cannot be sent by value: {_unpicklable(workload)}{exc}") from exc
     finally:
         for name in added:
             cloudpickle.unregister_pickle_by_value(sys.modules[name])
+
+
+def _unpicklable(workload: Workload) -> str:
+    """Which of the workload's fields holds what cloudpickle cannot pickle (``"its datasets: "``)."""
+    import dataclasses
+
+    import cloudpickle
+
+    for f in dataclasses.fields(workload):
+        try:
+            cloudpickle.dumps(getattr(workload, f.name))
+        except Exception:
+            return (
+                f"its {f.name} holds what cannot be pickled (build such things inside the function, "
+                "or send the workload as a folder: code=DIR with a module:attr path): "
+            )
+    return ""
 
 
 def _is_users(name: str, module: ModuleType | None) -> bool:
@@ -464,7 +511,8 @@ def _run(
         extra = sorted(set(returned) - set(trial.params)) if isinstance(returned, Mapping) else []
         raise ConditionalSearchSpaceError(
             "the workload's search_space returns params it does not suggest, or other values than it suggests "
-            f"({', '.join(map(str, extra)) or 'its return value'}): the service samples the suggested params only. "
-            "Derive such values in build_model, or run it with fusetune.client.optimize, which runs the space in your own process."
+            f"({', '.join(map(str, extra)) or 'its return value'}): each trial trains with the params its space suggests "
+            "(trial.params), in create_study and optimize alike. Derive such values (a constant, a product of two params) "
+            "in build_model instead."
         )
     return dict(trial.distributions)

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import httpx
@@ -105,9 +106,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"{'stdin' if args.file == '-' else args.file} is not JSON: {exc}", file=sys.stderr)
         return 2
     with Client(args.url, token=args.token) as client:
+        packaging = args.code is not None
         try:
             if args.code is not None:
                 body = _with_package(client, body, args)
+                packaging = False
             study = client.submit(body)
         except FusetuneError as exc:
             hint = " (uploading and running code takes the admin's code_upload grant)" if exc.status_code == 403 else ""
@@ -115,6 +118,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
             return 2
         except (ValueError, TypeError, ImportError) as exc:  # what fusetune.client.package refuses
             print(f"cannot package the workload: {exc}", file=sys.stderr)
+            return 2
+        except Exception as exc:
+            if not packaging:
+                raise
+            # The user's own module raised (a SyntaxError, anything at import): its last frames are theirs.
+            said = "".join(traceback.format_exception(exc, limit=-3)).rstrip()
+            print(f"cannot package the workload: importing its module raised\n{said}", file=sys.stderr)
             return 2
     print(json.dumps(study, indent=2))
     return 0

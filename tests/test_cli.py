@@ -338,3 +338,25 @@ def test_a_users_slips_are_one_line_each_not_a_traceback(
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [("def f(:\n    pass\n", "SyntaxError"), ("import math\n\nraise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here")],
+)
+def test_a_module_that_raises_when_packaged_shows_its_own_frames(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, says: str
+) -> None:
+    """``submit --code``: the user's module is imported to be packaged (before anything is sent),
+    and what it raises is shown with its file and line, not as the CLI's own traceback."""
+    code = tmp_path / "code"
+    code.mkdir()
+    module = f"broken_{uuid.uuid4().hex[:8]}"
+    (code / f"{module}.py").write_text(source)
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"workload": f"{module}:WORKLOAD", "n_trials": 2, "epochs": 1}))
+    argv = ["submit", str(sweep), "--code", str(code), "--url", f"http://127.0.0.1:{free_port()}", "--token", "ft_whatever"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cannot package the workload: importing its module raised") and says in err, err
+    assert f"{module}.py" in err and "cli.py" not in err and "_package.py" not in err, err

@@ -24,12 +24,10 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from fusetune.workers.spec import TrainingSpec
-from fusetune.workers.workloads import Batch, Params, Workload
+from fusetune.workers.workloads import LOADER_OWNED, Batch, Params, Workload
 
 __all__ = ["ArrayData", "Source", "is_tensor_dataset", "loader_options", "sample_batch", "samples_in"]
 
-#: ``DataLoader`` arguments an array sets itself (what the order and the batches depend on).
-OWNED = frozenset({"dataset", "batch_size", "generator", "sampler", "batch_sampler"})
 #: Arguments that only mean something with worker processes (torch refuses some without).
 WORKER_ONLY = ("prefetch_factor", "persistent_workers")
 
@@ -50,7 +48,7 @@ def loader_options(workload: Workload, training: TrainingSpec | None, device: to
             ``sampler``, ``batch_sampler``).
     """
     options = {**workload.loader, **(training.loader if training is not None else {})}
-    owned = sorted(OWNED & set(options))
+    owned = sorted(LOADER_OWNED & set(options))
     if owned:
         raise ValueError(f"workload {workload.name!r}: loader options {owned} are the array's own (its batch size and seeded order)")
     if device.type == "cuda":
@@ -199,7 +197,7 @@ class ArrayData:
 
     def __init__(self, workload: Workload, training: TrainingSpec | None, device: torch.device, batch_size: int,
                  generator: torch.Generator, seed: int) -> None:
-        train, val = workload.datasets()
+        train, val = datasets_of(workload)
         options = loader_options(workload, training, device)
         self.train = source(train, device, batch_size, generator, options, training=True)
         self.val = source(val, device, batch_size, torch.Generator().manual_seed(seed), options, training=False)
@@ -223,10 +221,20 @@ class ArrayData:
                 part.close()
 
 
+def datasets_of(workload: Workload) -> tuple[Any, Any]:
+    """``workload.datasets()``: its (train, validation) pair, or a ``TypeError`` saying what it
+    returned instead (not the unpacking's "too many values to unpack")."""
+    found = workload.datasets()
+    if not isinstance(found, (tuple, list)) or len(found) != 2:
+        what = f"a {type(found).__name__} of {len(found)}" if isinstance(found, (tuple, list)) else f"a {type(found).__name__}"
+        raise TypeError(f"workload {workload.name!r}: datasets() returned {what}, not the pair (train, validation)")
+    return found[0], found[1]
+
+
 def sample_batch(workload: Workload, params: Params, training: TrainingSpec | None = None) -> Batch:
     """One training batch of the size a trial with ``params`` trains with, read in this
     process on the CPU (no worker processes): what sizing measures a training step on."""
-    train, _ = workload.datasets()
+    train, _ = datasets_of(workload)
     batch_size = workload.batch_size_for(params)
     if is_tensor_dataset(train):
         return tuple(t[:batch_size] for t in train.tensors)

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from fusetune.workers.data import samples_in
 from fusetune.workers.workloads import Metric
 
-__all__ = ["Evaluation"]
+__all__ = ["Evaluation", "number"]
 
 
 def member_of(out: Any, b: int) -> Any:
@@ -58,7 +58,7 @@ class Evaluation:
         n = samples_in(target)
         for metric in self.per_batch:
             for b, values in enumerate(self.batches[metric.name]):
-                values.append((metric.fn(member_of(out, b), target), n))
+                values.append((number(metric, metric.fn(member_of(out, b), target)), n))
         if self.keep:
             self.outs.append(out)
             self.targets.append(target)
@@ -70,8 +70,8 @@ class Evaluation:
             if not pairs:
                 raise ValueError("the validation data yields no batch")
             if len(pairs) == 1:  # the whole set in one batch: the metric's own value, unweighted
-                return float(pairs[0][0])
-            return float(sum(v * n for v, n in pairs) / sum(n for _, n in pairs))
+                return pairs[0][0]
+            return sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
         if self.whole is None:
             if not self.outs:
                 raise ValueError("the validation data yields no batch")
@@ -79,4 +79,15 @@ class Evaluation:
             self.whole = (_cat(self.outs, 1), _cat(self.targets, 0))
             self.outs, self.targets = [], []
         out, target = self.whole
-        return float(metric.fn(member_of(out, b), target))
+        return number(metric, metric.fn(member_of(out, b), target))
+
+
+def number(metric: Metric, value: Any) -> float:
+    """What ``metric`` returned, as a float (a 0-d tensor's, a numpy scalar's); anything else
+    is a ``TypeError`` naming the metric, not float()'s message about a string."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: a tensor of more than one element
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise TypeError(f"metric {metric.name!r} returned {shown} ({type(value).__name__}), not a number: {exc}") from None

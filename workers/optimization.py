@@ -255,13 +255,14 @@ def _check_lr_scheduler(name: str, kwargs: Mapping[str, Any], recipe: Recipe | N
     _blame(build, kwargs, defaults, "lr_scheduler")
 
 
-def check_optimizer_spec(name: str, kwargs: Mapping[str, Any]) -> str:
-    """A study's optimizer spec: its canonical name; raises :class:`OptionError` naming the
+def check_optimizer_spec(name: str, kwargs: Mapping[str, Any], where: str = "optimizer.kwargs") -> str:
+    """A study's optimizer spec (or a workload's optimizer and its ``optimizer_defaults``,
+    named by ``where``): its canonical name; raises :class:`OptionError` naming the
     argument (``"optimizer"`` for the name) that torch or the fusion engine rejects."""
     name = optimizer_name(name)
     arguments = optimizer_arguments(name)
     values = dict(kwargs)
-    _layer("optimizer", name, arguments, {}, values, "optimizer.kwargs")
+    _layer("optimizer", name, arguments, {}, values, where)
     for key in OPTIMIZERS[name].pair_hparams:
         if key in values:
             values[key] = _pair(key, values[key])
@@ -272,7 +273,7 @@ def check_optimizer_spec(name: str, kwargs: Mapping[str, Any]) -> str:
     return name
 
 
-def check_lr_scheduler_spec(name: str, kwargs: Mapping[str, Any]) -> str:
+def check_lr_scheduler_spec(name: str, kwargs: Mapping[str, Any], where: str = "lr_scheduler.kwargs") -> str:
     """A study's LR scheduler spec: its canonical name; raises :class:`OptionError`.
 
     Required arguments may come per trial instead (``step_size`` from the search space), so
@@ -280,7 +281,7 @@ def check_lr_scheduler_spec(name: str, kwargs: Mapping[str, Any]) -> str:
     """
     name = lr_scheduler_name(name)
     arguments = lr_scheduler_arguments(name)
-    _layer("lr_scheduler", name, arguments, {}, kwargs, "lr_scheduler.kwargs")
+    _layer("lr_scheduler", name, arguments, {}, kwargs, where)
     if all(k in kwargs for k, d in arguments.items() if d is _REQUIRED):
         _check_lr_scheduler(name, kwargs, None)
     return name

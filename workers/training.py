@@ -18,7 +18,7 @@ from torch import nn
 import fusetune.fusion as fusion
 from fusetune.workers.checkpoints import CheckpointWriter, UnreadableCheckpoint, checkpoint_dir, load_checkpoint, saved_epochs
 from fusetune.workers.data import ArrayData
-from fusetune.workers.evaluation import Evaluation
+from fusetune.workers.evaluation import Evaluation, number
 from fusetune.workers.optimization import ArrayOptimizer, Recipe, optimizer_kwargs, resolve
 from fusetune.workers.package import PackageError, workload_of
 from fusetune.workers.spec import (
@@ -251,7 +251,7 @@ def _measure(metric: Metric, fused: ArrayModel, b: int, evaluation: Evaluation) 
     """Member ``b``'s value of ``metric``: from the fused validation pass, or of its model."""
     with torch.no_grad():
         if metric.of == "model":
-            return float(metric.fn(fused.member(b)))
+            return number(metric, metric.fn(fused.member(b)))
         return evaluation.value(metric, b)
 
 
@@ -329,6 +329,9 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
 
 
 _T = TypeVar("_T")
+#: Frames of a failed array's traceback kept in each member's error: the innermost, where the
+#: tenant's code (its loss, metric or model) raised; the outermost are always the worker's own.
+_TRACEBACK_FRAMES = 8
 
 
 def _optimizer(model: ArrayModel, members: Sequence[Recipe], device: torch.device) -> ArrayOptimizer:
@@ -707,7 +710,7 @@ class ArrayRun:
         # Out of memory: the control plane splits the array and retries the halves, which
         # resume from the members' checkpoints; any other error fails the members.
         self.outcome.oom = is_out_of_memory(exc)
-        detail = self.outcome.error + "\n" + "".join(traceback.format_exception(exc, limit=5))
+        detail = self.outcome.error + "\n" + "".join(traceback.format_exception(exc, limit=-_TRACEBACK_FRAMES))
         for member in self.members:
             self.outcome.failed.setdefault(member.trial_id, detail)
             key = _checkpoint_of(self.spec, member)

@@ -18,6 +18,7 @@ Read as the spec of packaging, with real files, real imports and a real second i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import io
@@ -47,6 +48,7 @@ from fusetune.client._package import (
 )
 from fusetune.server.packages import Limits, Manifest, check_package
 from fusetune.server.settings import Settings
+from fusetune.workers.workloads import get_workload
 
 # -- a user's workload, as files ----------------------------------------------------------------
 
@@ -269,6 +271,36 @@ def test_default_excludes_and_the_callers_gitignore_patterns_leave_files_out(tmp
         "pkg/__init__.py", "pkg/data/kept.txt", "README.md", ".gitignore", "important.log",
     }
     the_service_takes(pkg)
+
+
+def test_symlinks_are_followed_as_ray_follows_them_and_a_loop_ends(tmp_path: Path) -> None:
+    """A ``data/`` linked into the folder from elsewhere is packaged with it (Ray's
+    ``working_dir`` follows links too); a link back up the tree is not walked again."""
+    code = tmp_path / "code"
+    module = unique("wl_links")
+    write_workload(code, module)
+    elsewhere = tmp_path / "datasets" / "digits"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "train.csv").write_text("1,2\n")
+    (code / "data").symlink_to(elsewhere, target_is_directory=True)
+    (code / "pkg").mkdir()
+    (code / "pkg" / "up").symlink_to(code, target_is_directory=True)  # a loop
+    (code / "pkg" / "again").symlink_to(elsewhere, target_is_directory=True)  # the same folder twice
+    (code / "notes.txt").symlink_to(elsewhere / "train.csv")
+    pkg = package(f"{module}:WORKLOAD", code=code)
+    assert set(entries(pkg)) == {MANIFEST, f"{module}.py", f"{module}_helpers.py", "data/train.csv", "notes.txt"}
+    the_service_takes(pkg)
+
+
+def test_a_misspelt_optimizer_or_scheduler_default_is_refused_before_upload_naming_it() -> None:
+    """As the service refuses a study's ``optimizer.kwargs``: here, not in every trial."""
+    base = get_workload("digits-mlp")
+    with pytest.raises(ValueError, match=r"workload 'digits-mlp': optimizer SGD has no argument 'momentun' \(optimizer_defaults\)"):
+        package(dataclasses.replace(base, optimizer_defaults={"lr": 0.1, "momentun": 0.9}))
+    with pytest.raises(ValueError, match=r"StepLR has no argument 'step_sise' \(lr_scheduler_defaults\)"):
+        package(dataclasses.replace(base, lr_scheduler="StepLR", lr_scheduler_defaults={"step_sise": 2}))
+    with pytest.raises(ValueError, match="lr"):
+        package(dataclasses.replace(base, optimizer_defaults={"lr": -1.0}))
 
 
 def test_the_services_limits_are_checked_here_naming_the_setting(tmp_path: Path) -> None:
@@ -508,11 +540,12 @@ def test_a_conditional_space_as_its_union() -> None:
 
 
 def test_a_space_returning_what_it_did_not_suggest_is_refused() -> None:
-    with pytest.raises(ConditionalSearchSpaceError, match="hidden") as refused:
-        static_search_space(derives_a_value)
-    assert "build_model" in str(refused.value)
-    with pytest.raises(ConditionalSearchSpaceError):
-        static_search_space(derives_a_value, union=True)
+    """In create_study and in optimize alike (``union``), with an error that sends the user
+    to build_model, not to optimize: each trial trains with what its space suggested."""
+    for union in (False, True):
+        with pytest.raises(ConditionalSearchSpaceError, match="hidden") as refused:
+            static_search_space(derives_a_value, union=union)
+        assert "in build_model instead" in str(refused.value) and "optimize," not in str(refused.value)
 
 
 def test_package_states_the_space_refuses_a_conditional_one_or_takes_the_callers(tmp_path: Path) -> None:
@@ -551,3 +584,17 @@ def test_fusetune_workload_and_metric_are_the_workers_classes() -> None:
     assert fusetune.Workload is Workload and {"Workload", "Metric"} <= set(dir(fusetune))
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         fusetune.Nope  # noqa: B018
+
+
+def test_a_workload_holding_what_cannot_be_pickled_names_the_field() -> None:
+    import threading
+
+    lock = threading.Lock()
+    base = get_workload("digits-mlp")
+
+    def datasets() -> Any:
+        with lock:
+            return base.datasets()
+
+    with pytest.raises(TypeError, match="workload 'digits-mlp' cannot be sent by value: its datasets holds what cannot be pickled"):
+        package(dataclasses.replace(base, datasets=datasets))

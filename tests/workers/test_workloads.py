@@ -50,3 +50,47 @@ def test_default_space_builds_a_model_that_classifies_digits(name: str) -> None:
     assert out.shape == (5, 10)
     assert workload.loss(out, y[:5]).ndim == 0
     assert 0.0 <= workload.metric(out, y[:5]) <= 1.0
+
+
+def test_a_copy_made_with_dataclasses_replace_optimises_its_own_metric() -> None:
+    """``dataclasses.replace`` is how a user derives a variant of a frozen workload: the copy's
+    ``metric`` (with its name and direction) is its objective, not the original's."""
+    import dataclasses
+
+    from fusetune import Metric
+
+    base = get_workload("digits-mlp")
+
+    def error_rate(output: torch.Tensor, target: torch.Tensor) -> float:
+        return 1.0 - float((output.argmax(dim=-1) == target).float().mean())
+
+    def size(model: torch.nn.Module) -> float:
+        return 1.0
+
+    # The digits workloads declare their accuracy among their metrics: which would count?
+    with pytest.raises(ValueError, match="its metrics declare 'accuracy' as accuracy: give metric a metric_name of its own"):
+        dataclasses.replace(base, metric=error_rate)
+    undeclared = dataclasses.replace(base, metrics=())
+    assert [m.name for m in undeclared.metrics] == ["accuracy"]
+    same_name = dataclasses.replace(undeclared, metric=error_rate, direction="minimize")
+    assert [m.name for m in same_name.metrics] == ["accuracy"]
+    assert same_name.metric_named("accuracy").fn is error_rate and same_name.metrics[0].direction == "minimize"
+    renamed = dataclasses.replace(undeclared, metric=error_rate, metric_name="error")
+    assert [m.name for m in renamed.metrics] == ["error"] and renamed.metrics[0].fn is error_rate
+    # Beside declared ones, a new name adds the new metric first.
+    assert [m.name for m in dataclasses.replace(base, metric=error_rate, metric_name="error").metrics] == ["error", "accuracy", "n_params"]
+    # Metrics the workload declares stay, through any number of copies.
+    declared = dataclasses.replace(base, metrics=(Metric("size", size, "minimize", of="model"),))
+    again = dataclasses.replace(dataclasses.replace(declared, metric=error_rate), metric_name="error")
+    assert [(m.name, m.fn) for m in again.metrics] == [("error", error_rate), ("size", size)]
+
+
+def test_a_loader_option_that_dataloader_does_not_take_is_refused_where_the_workload_is_defined() -> None:
+    import dataclasses
+
+    base = get_workload("digits-mlp")
+    assert dataclasses.replace(base, loader={"num_workers": 2, "persistent_workers": True, "shuffle": False}).loader["num_workers"] == 2
+    with pytest.raises(ValueError, match=r"loader options \['shufle'\] are not arguments of torch.utils.data.DataLoader, which takes: .*shuffle"):
+        dataclasses.replace(base, loader={"shufle": False})
+    with pytest.raises(ValueError, match=r"loader options \['batch_size', 'sampler'\] are the array's own"):
+        dataclasses.replace(base, loader={"sampler": None, "batch_size": 7})

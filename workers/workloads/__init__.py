@@ -6,7 +6,7 @@ validation metrics a study may choose as objectives. Built-ins: ``digits-mlp`` a
 entry-point group, and any ``package.module:attr`` path naming a :class:`Workload` works too.
 """
 
-from ._base import Batch, Metric, Params, Workload, accuracy, feed_model, labels_of, n_params
+from ._base import LOADER_OWNED, Batch, Metric, Params, Workload, accuracy, feed_model, labels_of, n_params
 from ._digits import DigitsCNN, digits_datasets
 from ._registry import (
     ENTRY_POINT_GROUP,
@@ -19,6 +19,7 @@ from ._registry import (
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "LOADER_OWNED",
     "Batch",
     "DigitsCNN",
     "Metric",

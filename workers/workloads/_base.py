@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -9,7 +10,7 @@ from typing import Any, Literal
 import optuna
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 Params = Mapping[str, Any]
 Direction = Literal["maximize", "minimize"]
@@ -83,6 +84,9 @@ class Metric:
     direction: Direction = "maximize"
     of: Literal["outputs", "model"] = "outputs"
     per_batch: bool = False
+    # Added by Workload from its ``metric`` field (not declared among its ``metrics``): a copy
+    # made with dataclasses.replace recomputes it from the copy's own ``metric``.
+    _implied: bool = field(default=False, init=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,10 @@ class Workload:
             gives it.
         metric: the default objective, a validation metric over a whole validation set,
             ``metric(output, target)`` (list it among ``metrics`` under ``metric_name`` to
-            declare it ``per_batch``).
+            declare it ``per_batch``, with this same function). A copy made with
+            ``dataclasses.replace(workload, metric=...)`` optimises its own ``metric``; one
+            whose ``metric_name`` is declared among ``metrics`` as another function is
+            refused (a ``ValueError``: which would count?).
         metric_name: what ``metric`` measures, shown in the API.
         direction: whether a larger ``metric`` is better.
         metrics: every metric a study may choose as an objective; ``metric`` is added
@@ -212,12 +219,25 @@ class Workload:
     loader: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        names = [m.name for m in self.metrics]
+        # A copy made with dataclasses.replace gets the metrics this one implied from its
+        # metric field: they go, so that the copy's own metric, name and direction count.
+        declared = tuple(m for m in self.metrics if not m._implied)
+        names = [m.name for m in declared]
         if len(set(names)) != len(names):
             raise ValueError(f"workload {self.name!r}: metrics {names} repeat a name")
-        if self.metric_name not in names:
+        named = next((m for m in declared if m.name == self.metric_name), None)
+        if named is not None and named.fn is not self.metric:  # which one counts? (a copy's new metric, say)
+            raise ValueError(
+                f"workload {self.name!r}: its metric is {_name_of(self.metric)}, but its metrics declare "
+                f"{self.metric_name!r} as {_name_of(named.fn)}: give metric a metric_name of its own, or "
+                "change that entry of metrics"
+            )
+        _check_loader(self.name, self.loader)
+        if named is None:
             primary = Metric(self.metric_name, self.metric, self.direction)
-            object.__setattr__(self, "metrics", (primary, *self.metrics))
+            object.__setattr__(primary, "_implied", True)
+            declared = (primary, *declared)
+        object.__setattr__(self, "metrics", declared)
 
     def batch_size_for(self, params: Params) -> int:
         """The mini-batch size a trial with ``params`` trains with."""
@@ -230,6 +250,27 @@ class Workload:
                 return metric
         known = ", ".join(m.name for m in self.metrics)
         raise KeyError(f"workload {self.name!r} has no metric {name!r}; it declares: {known}")
+
+
+#: ``DataLoader`` arguments an array sets itself: its dataset, batch size and seeded order.
+LOADER_OWNED = frozenset({"dataset", "batch_size", "generator", "sampler", "batch_sampler"})
+
+
+def _check_loader(name: str, loader: Mapping[str, Any]) -> None:
+    """A workload's ``loader`` names ``DataLoader`` arguments the array leaves to it: a slip
+    (``shufle``) is refused where the workload is defined, not in every trial it trains."""
+    takes = [p for p in inspect.signature(DataLoader.__init__).parameters if p not in ("self", *LOADER_OWNED)]
+    unknown = sorted(k for k in loader if k not in takes)
+    if unknown:
+        owned = [k for k in unknown if k in LOADER_OWNED]
+        why = "are the array's own (its dataset, batch size and seeded order)" if owned == unknown else (
+            f"are not arguments of torch.utils.data.DataLoader, which takes: {', '.join(takes)}"
+        )
+        raise ValueError(f"workload {name!r}: loader options {unknown} {why}")
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def accuracy(output: torch.Tensor, target: torch.Tensor) -> float:
