@@ -169,7 +169,8 @@ class Workload:
             first when not among them. A study's first objective is its intermediate value.
         optimizer: the default ``torch.optim`` optimizer name.
         optimizer_defaults: hyper-parameters of ``optimizer`` used when the study and the
-            trial do not set them (torch's names; unknown names fail the trial).
+            trial do not set them (torch's names; an unknown name or a value torch refuses
+            is refused when the workload is packaged, and fails a registered workload's trials).
         lr_scheduler: the default ``torch.optim.lr_scheduler`` name, or None for none.
         lr_scheduler_defaults: arguments of ``lr_scheduler`` used when not set otherwise.
         warmup_epochs: default warm-up epochs (0: none).
@@ -190,7 +191,7 @@ class Workload:
             ``worker_init_fn``, ``shuffle`` (False: a map-style dataset in its own order),
             ... A study's ``TrainingSpec.loader`` overrides them one by one. The array sets
             ``batch_size`` and ``generator`` (``sampler`` and ``batch_sampler`` are
-            refused). ``pin_memory`` defaults to True on a CUDA worker and is dropped on
+            refused; so is a name ``DataLoader`` does not take, when the workload is defined). ``pin_memory`` defaults to True on a CUDA worker and is dropped on
             others; ``prefetch_factor`` and ``persistent_workers`` are dropped without
             worker processes (``num_workers`` 0, the default: the batches are read in the
             training process).
