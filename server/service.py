@@ -12,7 +12,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import optuna
 from optuna.study.study import _SYSTEM_ATTR_METRIC_NAMES
@@ -47,6 +47,8 @@ from fusetune.workers.workloads import UnknownWorkloadError, available_workloads
 
 if TYPE_CHECKING:
     from fusetune.server.loop import SchedulingLoop
+
+_T = TypeVar("_T")
 
 # Scoping: functions that read or change a tenant's resources take ``as_tenant``, the tenant
 # the caller acts for (None: the admin, or an operator calling in-process, who see every
@@ -377,10 +379,10 @@ def enqueue_trial(
     as_tenant: str | None = None,
 ) -> TrialOut:
     """Optuna's ``study.enqueue_trial``: the study's next trial, with these params, asked at once."""
-    study = _study(session, study_id, as_tenant)
+    _study(session, study_id, as_tenant)
     if loop is None:
         raise Unavailable("the scheduling loop is not running; trials cannot be asked")
-    trial = loop.call(lambda: loop.asker.enqueue(study.id, request.params, request.user_attrs))
+    trial = _call(session, loop, lambda: loop.asker.enqueue(study_id, request.params, request.user_attrs))
     return _trial_out(trial, get_optuna_storage(url).get_trial(trial.optuna_trial_id))
 
 
@@ -399,9 +401,17 @@ def decide_pruning(
         raise Conflict("trial_id", f"trial {trial_id} belongs to a study whose own pruner decides", where="path")
     if loop is None:
         raise Unavailable("the scheduling loop is not running; no array awaits decisions")
-    loop.call(lambda: loop.recorder.decide(trial.id, decision.step, decision.prune))
-    session.expire_all()
+    _call(session, loop, lambda: loop.recorder.decide(trial_id, decision.step, decision.prune))
     return get_trial(session, url, trial_id, as_tenant=as_tenant)
+
+
+def _call(session: Session, loop: SchedulingLoop, fn: Callable[[], _T]) -> _T:
+    """``loop.call(fn)``, with the request's database connection given back to the pool first:
+    the loop's thread needs the pool too, and requests that each held a connection while they
+    waited for it starved it (one tenant's 16 enqueues at once stalled every study for a
+    minute). The request has only read so far (its checks); it reads afresh afterwards."""
+    session.rollback()
+    return loop.call(fn)
 
 
 def _on_loop(loop: SchedulingLoop | None, what: str) -> SchedulingLoop:
@@ -421,9 +431,9 @@ def pause_study(
 ) -> StudyOut:
     """Pause a RUNNING study: nothing new is asked or started; its running members leave their
     arrays at the next epoch boundary, checkpointed, and wait (Conflict naming ``state`` otherwise)."""
-    study = _study(session, study_id, as_tenant)
+    _study(session, study_id, as_tenant)
     loop = _on_loop(loop, "paused")
-    loop.call(lambda: loop.lifecycle.pause(study.id))
+    _call(session, loop, lambda: loop.lifecycle.pause(study_id))
     return _changed(session, url, study_id, as_tenant)
 
 
@@ -431,9 +441,9 @@ def resume_study(
     session: Session, url: str, loop: SchedulingLoop | None, study_id: int, *, as_tenant: str | None = None
 ) -> StudyOut:
     """Run a PAUSED study again, within its tenant's ``max_running_studies``."""
-    study = _study(session, study_id, as_tenant)
+    _study(session, study_id, as_tenant)
     loop = _on_loop(loop, "resumed")
-    loop.call(lambda: loop.lifecycle.resume(study.id))
+    _call(session, loop, lambda: loop.lifecycle.resume(study_id))
     return _changed(session, url, study_id, as_tenant)
 
 
@@ -441,9 +451,9 @@ def cancel_study(
     session: Session, url: str, loop: SchedulingLoop | None, study_id: int, *, as_tenant: str | None = None
 ) -> StudyOut:
     """Cancel a RUNNING or PAUSED study: it ends CANCELLED, its trials PRUNED or FAIL with the reason."""
-    study = _study(session, study_id, as_tenant)
+    _study(session, study_id, as_tenant)
     loop = _on_loop(loop, "cancelled")
-    loop.call(lambda: loop.lifecycle.cancel(study.id))
+    _call(session, loop, lambda: loop.lifecycle.cancel(study_id))
     return _changed(session, url, study_id, as_tenant)
 
 
@@ -457,9 +467,9 @@ def update_study(
     as_tenant: str | None = None,
 ) -> StudyOut:
     """Change a study's ``n_trials`` (see ``Lifecycle.extend``)."""
-    study = _study(session, study_id, as_tenant)
+    _study(session, study_id, as_tenant)
     loop = _on_loop(loop, "changed")
-    loop.call(lambda: loop.lifecycle.extend(study.id, request.n_trials))
+    _call(session, loop, lambda: loop.lifecycle.extend(study_id, request.n_trials))
     return _changed(session, url, study_id, as_tenant)
 
 
@@ -468,9 +478,9 @@ def delete_study(
 ) -> StudyOut | None:
     """Delete a study: its rows, its Optuna study and its artifacts. None when it is gone
     already; else the study, DELETING until its running arrays stop at their next epoch boundary."""
-    study = _study(session, study_id, as_tenant)
+    _study(session, study_id, as_tenant)
     loop = _on_loop(loop, "deleted")
-    if loop.call(lambda: loop.lifecycle.delete(study.id)):
+    if _call(session, loop, lambda: loop.lifecycle.delete(study_id)):
         return None
     try:
         return _changed(session, url, study_id, as_tenant)

@@ -360,3 +360,42 @@ def test_a_client_driven_study_whose_workload_is_gone_fails_when_a_trial_is_enqu
     failed = live.client.study(study["id"])
     assert failed["state"] == "FAILED" and "'vanishing' cannot be loaded" in failed["error"]
     assert failed["completed_at"] is not None and live.client.trials(study["id"]) == []
+
+
+def test_requests_waiting_for_the_loop_hold_no_database_connection(live: Service) -> None:
+    """An enqueue waits for the loop's thread, which on SQLite draws on the requests' own
+    connection pool (5 + 10 overflow). The test holds SQLite's write lock, so the loop blocks
+    in its first write; 32 enqueues then wait for it at once. Each has read what it checks and
+    given its connection back (32 checkouts, never more than a few at a time): before, each
+    held one while it waited, 15 exhausted the pool, and the loop, once free, found none
+    (503s after 30 s, every study stalled). Freed, the loop answers all 32."""
+    import sqlite3
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqlalchemy import event
+
+    if not live.url.startswith("sqlite"):
+        pytest.skip("PostgreSQL: the loop's connections are a pool of their own (get_loop_sessionmaker)")
+    study = live.client.create_study("digits-mlp", n_trials=32, epochs=1, name="flood", driver="client", search_space=ONE_SHAPE)
+    engine = get_engine(live.url)
+    checkouts: list[int] = []
+
+    def checked_out(*_: Any) -> None:
+        checkouts.append(engine.pool.checkedout())  # type: ignore[attr-defined]
+
+    lock = sqlite3.connect(live.url.removeprefix("sqlite:///"), isolation_level=None)
+    event.listen(engine, "checkout", checked_out)
+    try:
+        lock.execute("BEGIN IMMEDIATE")
+        with ThreadPoolExecutor(32) as pool:
+            enqueued = [pool.submit(live.client.enqueue_trial, study["id"], {"lr": 0.05 + i / 1000}) for i in range(32)]
+            until("32 requests to have read and be waiting for the loop", lambda: len(checkouts) >= 33 and not any(f.done() for f in enqueued))
+            lock.execute("ROLLBACK")
+            trials = [f.result() for f in enqueued]
+    finally:
+        event.remove(engine, "checkout", checked_out)
+        lock.close()
+    assert max(checkouts) < 15
+    assert sorted(t["number"] for t in trials) == list(range(32))
+    done = live.client.wait(study["id"], timeout=TIMEOUT)
+    assert done["state"] == "COMPLETE" and done["trial_counts"]["COMPLETE"] == 32
