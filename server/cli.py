@@ -22,6 +22,7 @@ from pydantic import SecretStr, ValidationError
 from sqlalchemy.exc import OperationalError
 
 from fusetune.client import Client, FusetuneError
+from fusetune.server.api.connections import uvicorn_options
 from fusetune.server.settings import Settings, get_settings
 from fusetune.server.terminal import Inert
 
@@ -50,9 +51,7 @@ class BackgroundServer:
         from fusetune.server.app import create_app
 
         self.app = app = create_app(settings, schedule=schedule)
-        config = uvicorn.Config(
-            app, host=settings.host, port=settings.port, log_level="warning", limit_concurrency=settings.max_connections
-        )
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", **uvicorn_options(settings))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.url = f"http://{settings.host}:{settings.port}"
@@ -90,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     uvicorn.run(
         create_app(settings), host=args.host or settings.host, port=args.port or settings.port,
-        limit_concurrency=settings.max_connections,
+        **uvicorn_options(settings),
     )
     return 0
 

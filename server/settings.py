@@ -207,6 +207,14 @@ class Settings(BaseSettings):
         description="How long a request's body may take to arrive, from its first read; past it the request "
         "gets 408. A connection that trickles its body, or stops sending it, holds what it sent no longer.",
     )
+    header_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="How long a connection may take to send a request's line and headers, from when it "
+        "opens or from its last response; past it the connection is closed. Connections count against "
+        "FUSETUNE_MAX_CONNECTIONS while open, so ones that send nothing (or a header line now and then) "
+        "would otherwise hold the server at 503 for everyone.",
+    )
     max_connections: int = Field(
         1024,
         ge=1,

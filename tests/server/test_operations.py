@@ -95,9 +95,10 @@ def _answer(sock: socket.socket) -> bytes:
 
 @pytest.fixture
 def impatient(database_url: str) -> Iterator[LiveApi]:
-    """Bodies must arrive within 0.5 s (the setting shortened: the test waits for the 408, not
-    for a default's 30 s), and two connections at most."""
-    yield from live_api(database_url, body_timeout_s=0.5, max_connections=2)
+    """Bodies must arrive within 0.5 s, and a request's head within 0.5 s of the connection
+    opening or of its last response (the settings shortened: the test waits for the 408 or the
+    close, not for a default's 30 or 15 s), and two connections at most."""
+    yield from live_api(database_url, body_timeout_s=0.5, header_timeout_s=0.5, max_connections=2)
 
 
 def test_a_body_that_stops_arriving_is_408_and_connections_past_the_limit_are_503(impatient: LiveApi) -> None:
@@ -130,6 +131,27 @@ def test_a_body_that_stops_arriving_is_408_and_connections_past_the_limit_are_50
     while httpx.get(f"{impatient.url}/healthz", timeout=60).status_code != 200:
         assert time.monotonic() < deadline, "the closed connections still count"
         time.sleep(0.05)
+
+
+def test_connections_that_never_finish_a_request_head_are_closed(impatient: LiveApi) -> None:
+    """Two connections fill FUSETUNE_MAX_CONNECTIONS: one sends nothing, one a header line and
+    then nothing (a slowloris); a third is answered once, then trickles its next head. Each is
+    closed by the server past FUSETUNE_HEADER_TIMEOUT_S (the close is the event waited for), and
+    the service answers again: before, they held it at 503 for as long as they stayed open."""
+    where = urlsplit(impatient.url)
+    address = (where.hostname, where.port)
+    with socket.create_connection(address, timeout=60) as silent, socket.create_connection(address, timeout=60) as slow:
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        assert silent.recv(4096) == b"" and slow.recv(4096) == b""  # closed, with nothing said
+    deadline = time.monotonic() + 60
+    while (status := httpx.get(f"{impatient.url}/healthz", timeout=60).status_code) != 200:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+    with socket.create_connection(address, timeout=60) as reused:
+        reused.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _answer(reused).startswith(b"HTTP/1.1 200")
+        reused.sendall(b"GET /healthz HTTP/1.1\r\n")  # the next head, never finished
+        assert reused.recv(4096) == b""
 
 
 @pytest.mark.parametrize(
