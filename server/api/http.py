@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+from urllib.parse import unquote_to_bytes
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as SATimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fusetune.server.api import events, ops
 from fusetune.server.api.errors import document_errors, method_not_allowed
@@ -44,6 +46,25 @@ def unreachable(exc: BaseException) -> bool:
     return isinstance(exc, OperationalError)  # psycopg: connection failures, server shutdowns
 
 
+class Utf8Paths:
+    """A path whose %-escapes do not decode to UTF-8 is a 422 naming it. Starlette decodes a
+    path leniently (each bad byte a U+FFFD), so ``/user_attrs/%FF`` and ``/user_attrs/%FE``
+    were one mangled key, stored without a word."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                unquote_to_bytes(scope.get("raw_path") or scope["path"].encode()).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                msg = f"the path is not UTF-8 once its %-escapes are decoded: {exc.reason} at byte {exc.start}"
+                await JSONResponse(status_code=422, content={"detail": [{"loc": ["path"], "msg": msg, "type": "utf8"}]})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def install(app: FastAPI) -> None:
     """Add the shared rules, the event and metrics routes to ``app`` (its settings in ``app.state``)."""
     settings = app.state.settings
@@ -54,6 +75,7 @@ def install(app: FastAPI) -> None:
         RequestBodyLimits, max_bytes=settings.max_body_bytes, package_max_bytes=settings.package_max_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
+    app.add_middleware(Utf8Paths)
     app.add_middleware(RequestMetrics, fastapi=app)
     app.include_router(events.router)
     app.include_router(ops.router)

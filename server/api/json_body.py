@@ -3,7 +3,10 @@
 Python's ``json.loads``, which FastAPI parses bodies with, reads more than JSON:
 
 * ``NaN``, ``Infinity`` and ``-Infinity``, and a number too large for a double (``1e999``)
-  as an infinity. No field of the API means them: a refused field's 422 echoes its input,
+  as an infinity; an integer too large for one (``1`` and 309 zeros) it read exactly, and one
+  of more than 4,300 digits it refused with a ``ValueError`` that FastAPI made a 400 naming
+  nothing (before the route authenticated). Integers are read here as Python's ``int``
+  while they fit a double, else as an infinity, which is then refused as the others are. No field of the API means them: a refused field's 422 echoes its input,
   which cannot be written back as JSON (a 500), and an accepted one was stored as ``null``.
 * a lone UTF-16 surrogate escape (``"\\ud800"``), a string no UTF-8 encodes: stored, it made
   every answer that reads it back a 500 (one tenant's study name broke the admin's listing).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 from fastapi import HTTPException, Request, status
@@ -78,6 +82,21 @@ def _where(body: Any) -> tuple[Path, str, str]:
     return (), "the body cannot be written back as JSON", "json_invalid"
 
 
+#: Digits of the largest double's integer part: an integer literal with more is too large for one.
+_DOUBLE_DIGITS = len(str(int(sys.float_info.max)))
+
+
+def _integer(literal: str) -> int | float:
+    """A JSON integer literal (``json.loads``'s ``parse_int``): its ``int`` while it fits a
+    double, else an infinity (refused below, naming where), never ``int()`` of thousands of digits."""
+    digits = len(literal) - literal.startswith("-")
+    if digits < _DOUBLE_DIGITS:
+        return int(literal)
+    if digits == _DOUBLE_DIGITS and abs(value := int(literal)) <= sys.float_info.max:
+        return value
+    return -math.inf if literal.startswith("-") else math.inf
+
+
 def _printable(part: str | int) -> str | int:
     """A path component as the 422 can write it: a surrogate in a key shown as its escape."""
     return part.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(part, str) else part
@@ -99,7 +118,7 @@ class StrictJSONRequest(Request):
                     [{"loc": ["body"], "msg": f"the body is not UTF-8 text: {exc.reason} at byte {exc.start}", "type": "utf8"}],
                 ) from None
             try:
-                body = json.loads(text)  # JSONDecodeError: FastAPI's own 422
+                body = json.loads(text, parse_int=_integer)  # JSONDecodeError: FastAPI's own 422
             except RecursionError:  # nested past the parser's depth: FastAPI made it a 400 naming nothing
                 raise HTTPException(
                     status.HTTP_422_UNPROCESSABLE_CONTENT,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -176,6 +177,17 @@ def test_a_write_whose_body_is_not_json_is_415(api: httpx.Client, database_url: 
     assert ok.status_code == 201, ok.text
 
 
+@pytest.mark.parametrize("escape", ["%FF", "%C0%80", "%ED%A0%80", "a%E9b"])
+def test_a_path_that_is_not_utf8_is_422_not_a_mangled_key(api: httpx.Client, escape: str) -> None:
+    """Starlette would decode each bad byte as U+FFFD: distinct keys became one, stored."""
+    created = api.post("/api/v1/studies", json=STUDY).json()
+    response = api.put(f"/api/v1/studies/{created['id']}/user_attrs/{escape}", json={"value": 1})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["path"], response.text
+    assert api.get(f"/api/v1/studies/{created['id']}").json()["user_attrs"] == {}
+    ok = api.put(f"/api/v1/studies/{created['id']}/user_attrs/caf%C3%A9", json={"value": 1})
+    assert ok.status_code == 200 and ok.json()["user_attrs"] == {"café": 1}, ok.text
+
+
 @pytest.mark.parametrize(
     ("body", "loc"),
     [
@@ -199,6 +211,10 @@ def test_a_write_whose_body_is_not_json_is_415(api: httpx.Client, database_url: 
         ('{"workload": "digits-mlp", "n_trials": 4, "sampler": {"name": "TPESampler", "kwargs": {"x\\ud800": 1}}}',
          ["body", "sampler", "kwargs", "x\\ud800"]),
         ('{"a": [[[{"b": [1, 2, {"c": "\\udfff"}]}]]]}', ["body", "a", 0, 0, 0, "b", 2, "c"]),
+        # An integer past a double (JavaScript reads it as Infinity), and one past Python's
+        # 4,300 digits for int() (a 400 naming nothing, before authentication).
+        ('{"workload": "digits-mlp", "n_trials": 4, "user_attrs": {"x": 1' + "0" * 309 + '}}', ["body", "user_attrs", "x"]),
+        ('{"workload": "digits-mlp", "n_trials": 4, "user_attrs": {"x": [-' + "9" * 5000 + ']}}', ["body", "user_attrs", "x", 0]),
     ],
 )
 def test_a_body_with_what_json_lacks_is_422_naming_the_field(api: httpx.Client, database_url: str, body: str, loc: list) -> None:
@@ -211,6 +227,10 @@ def test_a_body_with_what_json_lacks_is_422_naming_the_field(api: httpx.Client, 
     created = api.post("/api/v1/studies", json=STUDY).json()
     response = api.patch(f"/api/v1/studies/{created['id']}", content=b'{"n_trials": NaN}', headers={"content-type": "application/json"})
     assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "n_trials"], response.text
+    # The largest integer a double holds is a number like any other.
+    top = api.put(f"/api/v1/studies/{created['id']}/user_attrs/top", content=b'{"value": %d}' % int(sys.float_info.max),
+                  headers={"content-type": "application/json"})
+    assert top.status_code == 200, top.text
     # A finite number in exponent form is a number like any other.
     body = b'{"workload": "digits-mlp", "n_trials": 4, "max_norm": 1e3}'
     response = api.post("/api/v1/studies", content=body, headers={"content-type": "application/json"})
