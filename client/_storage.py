@@ -200,7 +200,11 @@ class Storage(optuna.storages.BaseStorage):
         try:
             return call()
         except FusetuneError as exc:
-            if exc.status_code == _NOT_FOUND:
+            # An id outside the service's range (0, 2**31) is a 422 naming the path: no such one either.
+            outside = exc.status_code == _UNPROCESSABLE and isinstance(exc.detail, list) and any(
+                isinstance(d, dict) and list(d.get("loc") or [])[:1] == ["path"] for d in exc.detail
+            )
+            if exc.status_code == _NOT_FOUND or outside:
                 raise KeyError(f"{what} does not exist") from exc  # what Optuna's storages raise
             raise
 

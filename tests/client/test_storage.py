@@ -130,6 +130,13 @@ def test_an_unknown_study_is_a_key_error_as_in_optuna(service: Client) -> None:
             ft.load_study(study_name=name, url=service.url, token=service.token)
     with pytest.raises(KeyError):
         storage.get_trial(10**6)
+    for outside in (0, -1, 2**31):  # ids the service's paths refuse (a 422 naming the path): none such
+        with pytest.raises(KeyError):
+            storage.get_trial(outside)
+        with pytest.raises(KeyError):
+            storage.get_all_trials(outside)
+        with pytest.raises(KeyError):
+            storage.get_study_name_from_id(outside)
 
 
 def test_a_sampler_that_cannot_be_rebuilt_is_refused_by_name(service: Client) -> None:
