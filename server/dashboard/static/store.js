@@ -90,9 +90,7 @@ export class StudyStore extends Emitter {
     this._list = []; // by number (trialList)
     this._index = new Map(); // id -> index in _list
     this._unsorted = false;
-    // Keyed by a tenant's param names: no prototype, so "constructor" or "__proto__" is a name
-    // like any other, not an inherited member that hid the param.
-    this.distributions = Object.create(null);
+    this.distributions = {};
     this.cursor = null; // the updated_since cursor: the latest change seen
     this.lastEventAt = null;
     this.stream = null;
@@ -196,7 +194,7 @@ export class StudyStore extends Emitter {
       state: raw.state,
       value: raw.value,
       values: raw.values ?? null,
-      params: Object.assign(Object.create(null), raw.params), // see distributions
+      params: raw.params ?? {},
       iv: raw.intermediate_values ?? old?.iv ?? {},
       hasCurve: false,
       array_id: raw.array_id,
