@@ -397,5 +397,8 @@ def test_requests_waiting_for_the_loop_hold_no_database_connection(live: Service
         lock.close()
     assert max(checkouts) < 15
     assert sorted(t["number"] for t in trials) == list(range(32))
+    with pytest.raises(FusetuneError) as full:  # its n_trials are all asked: the study's field, not the body's
+        live.client.enqueue_trial(study["id"], {"lr": 0.1})
+    assert detail(full) == (409, [["study", "n_trials"]])
     done = live.client.wait(study["id"], timeout=TIMEOUT)
     assert done["state"] == "COMPLETE" and done["trial_counts"]["COMPLETE"] == 32

@@ -141,14 +141,15 @@ class Asker:
         The trial counts in the study's ``n_trials``. Runs on the loop thread (``SchedulingLoop.call``).
 
         Raises:
-            service.Conflict: naming ``n_trials`` when the study has asked all its trials.
+            service.Conflict: naming the study's ``n_trials`` when it has asked all its trials.
         """
         with self.ctx.sessions() as session:
             study = rows.study(session, study_id)
             self.lifecycle.check_askable(session, study)
             asked = rows.asked(session, study.id)
             if asked >= study.n_trials:
-                raise Conflict("n_trials", f"study {study.id} has asked all its n_trials={study.n_trials} trials")
+                # The study's field, not the request's (an enqueue's body has no n_trials).
+                raise Conflict("n_trials", f"study {study.id} has asked all its n_trials={study.n_trials} trials", where="study")
             mirror = self.mirrors.of(study)
             try:
                 mirror.study.enqueue_trial(dict(params), user_attrs=dict(user_attrs), skip_if_exists=False)
