@@ -31,7 +31,7 @@ import sqlalchemy as sa
 
 from fusetune.client import FusetuneError
 from tests.dashboard.conftest import Service
-from tests.dashboard.test_dashboard import LONG, login
+from tests.dashboard.test_dashboard import LONG, foot, login, visible_numbers
 
 pytestmark = pytest.mark.slow
 D = optuna.distributions
@@ -226,6 +226,100 @@ def payload_studies(service: Service) -> tuple[int, int]:
     engine.dispose()
     assert client.study(study)["name"] == PAYLOAD_NAME
     return study, failed
+
+
+#: Params named like members every JavaScript object inherits (``obj.constructor``, ...); the
+#: width is fixed, so every trial completes and each slice has a point per trial.
+MEMBER_NAMES_STUDY: dict[str, Any] = {
+    "name": "object-member-params",
+    "workload": "digits-mlp",
+    "n_trials": 6,
+    "epochs": 1,
+    "max_array_size": 6,
+    "sampler": {"name": "RandomSampler", "kwargs": {"seed": 1}},
+    "search_space": {
+        "hidden": D.distribution_to_json(D.CategoricalDistribution([32])),
+        "__proto__": D.distribution_to_json(D.FloatDistribution(0.0, 1.0)),
+        "constructor": D.distribution_to_json(D.IntDistribution(1, 3)),
+        "toString": D.distribution_to_json(D.CategoricalDistribution(["a", "b"])),
+        "hasOwnProperty": D.distribution_to_json(D.FloatDistribution(1e-3, 1.0, log=True)),
+    },
+}
+
+#: What each slice chart plots: [[param, [x of each point]], ...] (ECharts' own option, as
+#: drawn). Pairs, not an object: out["__proto__"] = ... would set the object's prototype.
+SLICE_XS = """async () => {
+  const echarts = await import("/dashboard/vendor/echarts-6.1.0/echarts.esm.min.js");
+  return [...document.querySelectorAll("[data-chart-kind=slice]")].map((el) => {
+    const chart = echarts.getInstanceByDom(el);
+    return [el.dataset.chart.slice("slice-".length), chart ? chart.getOption().series[0].data.map((p) => p[0] ?? null) : null];
+  });
+}"""
+
+
+#: The enumerable members a new object and a new array inherit: none, unless something of the
+#: page wrote to Object.prototype (prototype pollution).
+INHERITED = "() => { const found = []; for (const k in {}) found.push(k); for (const k in []) found.push(`[] ${k}`); return found; }"
+
+
+def test_params_named_like_javascripts_own_members_show_as_any_other(service: Service, page: Any) -> None:
+    """A param named ``__proto__``, ``constructor``, ``toString`` or ``hasOwnProperty`` has its
+    slice, its parallel axis, its column and filter in the trials table, and its value in the
+    drawer: never the member JavaScript objects inherit, never a prototype set, and drawn
+    texts pollute no prototype (ECharts' text cache once took "__proto__" for its entry)."""
+    study = service.finished(MEMBER_NAMES_STUDY)
+    trials = sorted(service.client.trials(study), key=lambda t: t["number"])
+    names = list(MEMBER_NAMES_STUDY["search_space"])
+    assert {t["state"] for t in trials} == {"COMPLETE"}
+    login(page, service, path=f"#/studies/{study}/params")
+
+    page.wait_for_function(
+        "(n) => document.querySelectorAll('[data-chart-kind=slice]').length === n", arg=len(names), timeout=LONG
+    )
+    page.wait_for_function("() => document.querySelector('[data-testid=param-trials-count]')?.textContent.endsWith('trials')")
+    xs = dict(page.evaluate(SLICE_XS))
+    assert set(xs) == set(names), xs
+    for name in names:
+        # The slice plots every trial at the value its params hold.
+        categorical = name in ("hidden", "toString")  # a category axis: the choice as text
+        expected = sorted(str(t["params"][name]) if categorical else t["params"][name] for t in trials)
+        assert sorted(xs[name]) == expected, (name, xs[name])
+    axes = page.evaluate("""async () => {
+      const echarts = await import("/dashboard/vendor/echarts-6.1.0/echarts.esm.min.js");
+      return echarts.getInstanceByDom(document.querySelector("[data-chart=parallel]")).getOption().parallelAxis.map((a) => a.name);
+    }""")
+    # Drawn with a zero-width space after "__proto__": the same on screen, another key to the
+    # renderer's text cache (which "__proto__" would turn into Object.prototype).
+    assert [a.replace("\u200b", "") for a in axes[: len(names)]] == names, axes
+
+    page.click("[data-tab=trials]")
+    page.wait_for_function("(n) => document.querySelectorAll('[data-table=trials] .row').length === n", arg=len(trials))
+    header = page.eval_on_selector_all("[data-table=trials] .head button", "bs => bs.map(b => b.textContent)")
+    assert all(name in header for name in names), header
+    column = header.index("constructor")
+    cells = page.eval_on_selector_all(
+        "[data-table=trials] .row", "(rows, i) => rows.map((r) => [Number(r.dataset.number), r.children[i].textContent])", column
+    )
+    assert sorted(cells) == [[t["number"], str(t["params"]["constructor"])] for t in trials], cells
+    # The filter reads the param, not Object.prototype.constructor.
+    value = trials[0]["params"]["constructor"]
+    chosen = sorted(t["number"] for t in trials if t["params"]["constructor"] == value)
+    page.fill("[data-testid=trials-filter]", f"constructor={value}")
+    page.wait_for_function(
+        "(n) => document.querySelector('[data-testid=trials-count]').textContent.startsWith(`${n} of`)", arg=len(chosen)
+    )
+    assert sorted(visible_numbers(page, "trials")) == chosen
+    assert foot(page, "trials") == (len(chosen), len(trials))
+
+    page.fill("[data-testid=trials-filter]", "")
+    page.locator("[data-table=trials] .row").first.click()
+    drawer = page.locator("[data-testid=drawer]")
+    drawer.locator("text=\"Params\"").wait_for()
+    text = drawer.inner_text()
+    assert all(name in text for name in names), text
+    assert str(trials[0]["params"]["toString"]) in text
+    # Every chart drew its texts, and no object of the page gained a member on the way.
+    assert page.evaluate(INHERITED) == [], "an object of the page inherits enumerable members"
 
 
 def test_the_page_and_the_api_send_a_strict_content_security_policy(service: Service) -> None:

@@ -56,11 +56,40 @@ function textTooltips(option) {
   return out;
 }
 
+// zrender, ECharts' renderer, caches the widths of the texts it draws in an LRU keyed by the
+// text in a plain object. A line of text that is exactly "__proto__" reads Object.prototype as
+// its cache entry and links it into the LRU's list, which gives every object of the page
+// enumerable `prev` and `next` (uPlot then recursed without end copying its options). A param
+// name, a categorical choice or a metric is the tenant's and can be that text: such a line is
+// drawn with a zero-width space after it, which looks the same and is another key.
+const PROTO_LINE = /(^|\n)__proto__(?=\n|$)/g;
+
+function safeTexts(value) {
+  if (typeof value === "string") return value.includes("__proto__") ? value.replace(PROTO_LINE, "$1__proto__\u200b") : value;
+  // Copied only where something changed: the option of a 100,000-trial history stays as it is.
+  if (Array.isArray(value)) {
+    let out = null;
+    for (let i = 0; i < value.length; i++) {
+      const v = safeTexts(value[i]);
+      if (v !== value[i]) (out ??= value.slice())[i] = v;
+    }
+    return out ?? value;
+  }
+  if (value === null || typeof value !== "object" || Object.getPrototypeOf(value) !== Object.prototype) return value;
+  let changed = false;
+  const entries = Object.entries(value).map(([k, v]) => {
+    const safe = safeTexts(v);
+    changed ||= safe !== v;
+    return [k, safe];
+  });
+  return changed ? Object.fromEntries(entries) : value;
+}
+
 /** An ECharts instance on `el`, resized with it, whose tooltips show text; returns {chart, dispose}. */
 export function ecChart(el) {
   const chart = echarts.init(el, null, { renderer: "canvas" });
   const setOption = chart.setOption.bind(chart);
-  chart.setOption = (option, ...rest) => setOption(textTooltips(option), ...rest);
+  chart.setOption = (option, ...rest) => setOption(safeTexts(textTooltips(option)), ...rest);
   const ro = new ResizeObserver(() => chart.resize());
   ro.observe(el);
   return {

@@ -6,6 +6,7 @@
 // for all of them again. Without an event stream it polls that cursor.
 
 import { get, getPage, follow, hasRoute, routeTakes } from "./api.js";
+import { setOwn } from "./util.js";
 
 const POLL_MS = 2000;
 const PAGE = 1000; // the API's largest page
@@ -186,7 +187,7 @@ export class StudyStore extends Emitter {
   put(raw) {
     const old = this.trials.get(raw.id);
     if (raw.distributions && Object.keys(raw.distributions).length) {
-      for (const [k, d] of Object.entries(raw.distributions)) this.distributions[k] ??= d;
+      for (const [k, d] of Object.entries(raw.distributions)) if (!Object.hasOwn(this.distributions, k)) setOwn(this.distributions, k, d);
     }
     const t = {
       id: raw.id,

@@ -50,6 +50,20 @@ export function attrList(attrs) {
   return h("dl.attrs", ...Object.entries(attrs ?? {}).flatMap(([k, v]) => [h("dt", k), h("dd", typeof v === "string" ? v : JSON.stringify(v))]));
 }
 
+/**
+ * A tenant-keyed object's own value, or undefined. Param names are the tenant's: one named
+ * `constructor`, `toString` or `__proto__` must read the trial's param, never the member
+ * every JavaScript object inherits (which a plain `obj[name]` returns where the param is absent).
+ */
+export function own(obj, key) {
+  return obj !== null && obj !== undefined && Object.hasOwn(obj, key) ? obj[key] : undefined;
+}
+
+/** Sets `obj[key]` as an own property, `__proto__` included (an assignment would set the prototype). */
+export function setOwn(obj, key, value) {
+  Object.defineProperty(obj, key, { value, enumerable: true, writable: true, configurable: true });
+}
+
 export function clear(node) {
   while (node.firstChild) node.firstChild.remove();
   return node;

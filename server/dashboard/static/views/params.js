@@ -2,7 +2,7 @@
 // cached there), parallel coordinates whose brush filters the trials table below them, and a
 // slice plot per parameter.
 
-import { h, clear, fmtValue, fmtParam, fmtAxis, sample, debounce } from "../util.js";
+import { h, clear, fmtValue, fmtParam, fmtAxis, sample, debounce, own } from "../util.js";
 import { panel, ecChart, tip, AXIS, isLog, isCategorical, choices } from "../charts.js";
 import { get } from "../api.js";
 import { trialsTable } from "./table.js";
@@ -37,7 +37,7 @@ export function paramsTab(ctx) {
   }
 
   function axisOf(name, dim) {
-    const d = store.distributions[name];
+    const d = own(store.distributions, name);
     if (isCategorical(d)) return { dim, name, type: "category", data: choices(d).map(String), categorical: true };
     // Optuna's log distributions have low > 0, so a log axis holds every value.
     return { dim, name, type: isLog(d) ? "log" : "value", min: d?.attributes?.low, max: d?.attributes?.high, scale: true };
@@ -50,7 +50,7 @@ export function paramsTab(ctx) {
     const objective = store.study.metrics?.[0] ?? "value";
     axes = [...names.map((n, i) => axisOf(n, i)), { dim: names.length, name: objective, type: "value", scale: true, objective: true }];
     const done = store.trialList.filter((t) => t.state === "COMPLETE" && objectiveValue(t) !== null);
-    const row = (t) => [...names.map((n, i) => (axes[i].categorical ? String(t.params[n]) : t.params[n])), objectiveValue(t), t.id];
+    const row = (t) => [...names.map((n, i) => (axes[i].categorical ? String(own(t.params, n)) : own(t.params, n))), objectiveValue(t), t.id];
     const lines = sample(done, MAX_LINES).map(row);
     par.note.textContent = done.length
       ? `${done.length} complete trials${lines.length < done.length ? ` (${lines.length} drawn; the brush filters all of them)` : ""}. Drag along an axis to brush; click an axis outside its brush to clear it.`
@@ -101,7 +101,7 @@ export function paramsTab(ctx) {
     for (const [dimText, list] of Object.entries(intervals)) {
       const a = axes[Number(dimText)];
       if (!a) continue;
-      let v = a.objective ? objectiveValue(t) : t.params[a.name];
+      let v = a.objective ? objectiveValue(t) : own(t.params, a.name);
       if (v === undefined || v === null) return false;
       if (a.categorical) v = a.data.indexOf(String(v));
       if (!list.some(([lo, hi]) => v >= Math.min(lo, hi) && v <= Math.max(lo, hi))) return false;
@@ -178,7 +178,7 @@ export function paramsTab(ctx) {
         yAxis: { type: "value", scale: true, ...AXIS },
         series: [{
           type: "scatter", symbolSize: shown.length > 2000 ? 3 : 6, large: shown.length > 3000, progressive: 0,
-          data: shown.map((t) => [a.categorical ? String(t.params[name]) : t.params[name], objectiveValue(t), t.number]),
+          data: shown.map((t) => [a.categorical ? String(own(t.params, name)) : own(t.params, name), objectiveValue(t), t.number]),
           itemStyle: { color: "#2563eb", opacity: 0.7 },
         }],
       }, { replaceMerge: ["series"] });

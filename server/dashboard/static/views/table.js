@@ -1,7 +1,7 @@
 // The trials table: virtualised (only the rows in view are in the DOM, whatever the count),
 // sortable by any column, filterable by state and by params; a row opens the trial's drawer.
 
-import { h, clear, fmtValue, fmtParam, fmtDuration, elapsed, STATES } from "../util.js";
+import { h, clear, fmtValue, fmtParam, fmtDuration, elapsed, STATES, own } from "../util.js";
 
 const ROW = 30;
 const OVERSCAN = 8;
@@ -55,7 +55,7 @@ export function trialsTable({ store, onOpen, height = 420, name = "trials" }) {
       ...(objectives.length > 1
         ? objectives.map((m, i) => ({ key: `v${i}`, label: m, get: (t) => (t.values ? t.values[i] : i === 0 ? t.value : null), fmt: fmtValue, width: "100px" }))
         : [{ key: "value", label: objectives[0] === "value" ? "value" : objectives[0], get: (t) => t.value, fmt: fmtValue, width: "100px" }]),
-      ...params.map((p) => ({ key: `p:${p}`, label: p, get: (t) => t.params[p], fmt: fmtParam, width: "minmax(90px, 1fr)" })),
+      ...params.map((p) => ({ key: `p:${p}`, label: p, get: (t) => own(t.params, p), fmt: fmtParam, width: "minmax(90px, 1fr)" })),
       { key: "epochs", label: "epochs", get: (t) => Object.keys(t.iv).length, width: "70px" },
       { key: "array", label: "array", get: (t) => t.array_id, width: "70px" },
       { key: "duration", label: "duration", get: (t) => elapsed(t.started_at, t.completed_at), fmt: fmtDuration, width: "100px" },
@@ -95,7 +95,7 @@ export function trialsTable({ store, onOpen, height = 420, name = "trials" }) {
     if (key === "number" || key === "#") return t.number;
     if (key === "array") return t.array_id;
     if (key === "state") return t.state;
-    return t.params[key];
+    return own(t.params, key);
   }
 
   function matches(t, terms) {
