@@ -88,9 +88,9 @@ class Settings(BaseSettings):
     epoch_timeout_s: float | None = Field(
         3600.0,
         gt=0,
-        description="Longest an array's epoch may run (its validation and checkpoint included; the first "
-        "epoch of a code package's array also gets FUSETUNE_PACKAGE_LOAD_TIMEOUT_S for its environment and "
-        "import). Preemption waits for epoch boundaries, so an epoch that never ends would hold its worker past "
+        description="Longest an array's epoch may run (its validation and checkpoint included; not the "
+        "array's setup before its first epoch, which may take FUSETUNE_PACKAGE_LOAD_TIMEOUT_S more: loading its "
+        "data, building and resuming its models, and a code package's environment and import). Preemption waits for epoch boundaries, so an epoch that never ends would hold its worker past "
         "its tenant's share for ever: past this the worker is killed and replaced, and the array's trials fail "
         "with an error naming this setting (a waiting pruning decision does not count). Unset: no deadline.",
     )
@@ -253,7 +253,9 @@ class Settings(BaseSettings):
         gt=0,
         description="How long a code package's describer may take to set its environment up (requirements "
         "installed by Ray) and import the package, before the package's study fails; a package whose import "
-        "never returns would otherwise hold its describer, and idle workers started in its env, for ever.",
+        "never returns would otherwise hold its describer, and idle workers started in its env, for ever. "
+        "Also the longest an array's setup may take beyond FUSETUNE_EPOCH_TIMEOUT_S (its env and import, its "
+        "data, its models built and resumed) before its first epoch starts.",
     )
     package_describers: int = Field(
         8,

@@ -46,6 +46,7 @@ class ArrayWorker:
         self._offers: dict[int, list[tuple[int, MemberSpec]]] = {}  # array id -> (after epoch, newcomer)
         self._releases: dict[int, set[int]] = {}
         self._replies: dict[int, queue.SimpleQueue[EpochReply]] = {}
+        self._set_up: int | None = None  # the array that trains now, once its setup is done (heartbeat)
         self._settled: set[str] = set()  # workloads whose first array has run here (see run)
         # torch.optim imports torch._dynamo (~1 s on the 2-core machine) when the first
         # optimizer is built: now, not in the build of this worker's first array.
@@ -95,9 +96,20 @@ class ArrayWorker:
         except PackageError:
             pass  # see above: the describer and each array's run say why
 
-    def heartbeat(self) -> bool:
-        """Answered on the actor's second thread while :meth:`run` trains: the process lives."""
-        return True
+    def heartbeat(self) -> int | None:
+        """Answered on the actor's second thread while :meth:`run` trains: the process lives.
+
+        Returns the id of the array it trains once that array is set up (its data loaded, its
+        models built and resumed; :meth:`built`), None before: the control plane's epoch
+        deadline counts from then (``WorkerPool.heartbeat``), not from the array's start.
+        """
+        with self._lock:
+            return self._set_up
+
+    def built(self, array_id: int) -> None:
+        """The training loop's word that array ``array_id`` is set up: its first epoch starts."""
+        with self._lock:
+            self._set_up = array_id
 
     def memory_model(self, workload: str, params: dict[str, Any], training: TrainingSpec, package: str | None = None) -> tuple[int, int]:
         """The memory model of an array of ``params``' class, ``(base, member)`` bytes
@@ -166,6 +178,7 @@ class ArrayWorker:
             raise PackageError(f"worker {self.name} runs package {self.package}, not {spec.package}")
         with self._lock:
             replies = self._replies.setdefault(spec.array_id, queue.SimpleQueue())
+            self._set_up = None
         training = train_array(spec, self.device, inbox=self)
         reply: EpochReply | None = None
         owed = 0  # reports of a pruning study not answered yet
@@ -188,6 +201,7 @@ class ArrayWorker:
             self._offers.pop(spec.array_id, None)
             self._releases.pop(spec.array_id, None)
             self._replies.pop(spec.array_id, None)
+            self._set_up = None
         yield outcome
         if spec.workload not in self._settled:
             # A workload's first array imported and cached what its later arrays reuse (its

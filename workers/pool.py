@@ -84,6 +84,7 @@ class WorkerHandle:
     last_ping: float = 0.0
     hung: bool = False  # killed for answering no heartbeat
     deadline: float | None = None  # monotonic time by which its array's running epoch must report; None: none runs
+    set_up: bool = False  # its array's setup is done (its heartbeat said so, or it reported an epoch)
     overran: bool = False  # killed for running an epoch past its deadline
     coming_up: ray.ObjectRef | None = field(default=None, repr=False)  # its first info() call (or its restarted actor's), until it answers
     backend: str = "cpu"
@@ -111,11 +112,12 @@ class WorkerPool:
         timeout_s: the longest wait for a call that answers at once (a new worker's info).
         heartbeat_interval_s, heartbeat_timeout_s: busy workers are pinged this often; one
             that answers none for the timeout is hung, and killed (see :meth:`heartbeat`).
-        epoch_timeout_s: the longest an array's epoch may run, from its start (or the reply to
-            the last epoch's report) to its report or outcome; a worker whose epoch runs longer
-            is killed (:meth:`heartbeat`). None: no deadline.
-        setup_grace_s: added to the first epoch's deadline of a code package's array, for its
-            runtime env's setup and the package's import.
+        epoch_timeout_s: the longest an array's epoch may run, from its start (the end of the
+            array's setup, or the reply to the last epoch's report) to its report or outcome; a
+            worker whose epoch runs longer is killed (:meth:`heartbeat`). None: no deadline.
+        setup_grace_s: the longest an array's setup may take on top of that, from its submit
+            to its first epoch's start: loading its data, building and resuming its models,
+            and for a code package's array its runtime env's setup and the package's import.
     """
 
     def __init__(
@@ -301,8 +303,9 @@ class WorkerPool:
             self._restart(worker, spec.package, env)
         worker.spec = spec
         worker.stream = worker.actor.run.remote(spec)
-        worker.ping, worker.last_ping, worker.hung, worker.overran = None, time.monotonic(), False, False
-        self._arm(worker, self.setup_grace_s if spec.package is not None else 0.0)
+        worker.ping, worker.last_ping, worker.hung, worker.overran, worker.set_up = None, time.monotonic(), False, False, False
+        # Until its heartbeat says the array is set up, the deadline covers the setup too.
+        self._arm(worker, self.setup_grace_s)
 
     def _arm(self, worker: WorkerHandle, grace_s: float = 0.0) -> None:
         """Start the clock of the epoch ``worker`` starts now (see ``epoch_timeout_s``)."""
@@ -358,7 +361,9 @@ class WorkerPool:
         Its array's stream then reports its death (:meth:`wait`), it is replaced, and its
         members resume from their checkpoints. A worker that answers pings but whose epoch
         never ends (a training loop that never returns) is killed the same way, but its
-        stream reports :class:`EpochOverran`: its members fail. Returns the workers killed now.
+        stream reports :class:`EpochOverran`: its members fail. An array's first epoch is timed
+        from the answer that says its setup is done (or, failing one, from its submit with the
+        setup's grace). Returns the workers killed now.
         """
         now = time.monotonic()
         killed = []
@@ -376,6 +381,7 @@ class WorkerPool:
                 ready, _ = ray.wait([ref], timeout=0)
                 if ready:
                     worker.ping = None
+                    self._note_set_up(worker, ref)
                 elif now - sent > self.heartbeat_timeout_s:
                     log.error("worker %s answered no heartbeat in %.0f s: killing it", worker.name, now - sent)
                     worker.hung, worker.ping = True, None
@@ -385,6 +391,20 @@ class WorkerPool:
             if worker.ping is None and now - worker.last_ping >= self.heartbeat_interval_s:
                 worker.ping, worker.last_ping = (worker.actor.heartbeat.remote(), now), now
         return killed
+
+    def _note_set_up(self, worker: WorkerHandle, answer: ray.ObjectRef) -> None:
+        """A heartbeat's answer names the array its worker has set up: its first epoch's
+        deadline counts from now, the setup's grace spent or not (once per array: a report
+        arms the later epochs')."""
+        if worker.set_up or worker.spec is None:
+            return
+        try:
+            array_id = untrusted.get(answer, timeout=self.timeout_s)  # a package's process answers it
+        except ray.exceptions.RayError:
+            return  # its death comes through its array's stream
+        if type(array_id) is int and array_id == worker.spec.array_id:
+            worker.set_up = True
+            self._arm(worker)
 
     def wait(self, timeout: float = 0.0) -> list[Event]:
         """What the busy workers said, waiting up to ``timeout`` seconds for the first word.
@@ -431,7 +451,7 @@ class WorkerPool:
                     item = PackageError(malformed) if worker.package is not None else RuntimeError(malformed)
                     self._kill(worker)
                     self._replace(worker)
-            worker.deadline = None  # until the reply to its report starts the next epoch
+            worker.deadline, worker.set_up = None, True  # until the reply to its report starts the next epoch
             if not isinstance(item, EpochReport):
                 worker.spec, worker.stream, worker.ping = None, None, None
             events.append((worker, spec, item))

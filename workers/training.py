@@ -267,11 +267,14 @@ def _sync(device: torch.device) -> None:
 
 
 class Inbox(Protocol):
-    """Where newcomers for a running array wait for its next epoch boundary."""
+    """Where newcomers for a running array wait for its next epoch boundary, and members the
+    scheduler preempts are named; told when the array is set up and its first epoch starts."""
 
     def take(self, array_id: int, epochs_done: int = 0) -> list[MemberSpec]: ...
 
     def released(self, array_id: int) -> set[int]: ...
+
+    def built(self, array_id: int) -> None: ...
 
 
 #: What ``train_array`` yields, is sent back, and returns (see its docstring).
@@ -312,6 +315,8 @@ def train_array(spec: ArraySpec, device: torch.device, inbox: Inbox | None = Non
     run = ArrayRun(spec, device, inbox)
     try:
         run.build()
+        if inbox is not None:
+            inbox.built(spec.array_id)
         while run.members:
             report = run.epoch()
             clock = time.perf_counter()
