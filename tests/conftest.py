@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 
 POSTGRES_ENV = "FUSETUNE_TEST_POSTGRES_URL"
 
+# The suite runs more torch threads than the machine has cores (two pytest processes, each with
+# a Ray of four logical CPUs on two cores, and their services' workers). OpenMP's threads
+# spin-wait for their next task by default, taking the cores the others' need: on the 2-core
+# machine, three 2-thread processes trained an epoch 5-7x slower than with idle threads asleep.
+# Set before this process loads torch; Ray's workers and the services the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def _port_block() -> Iterator[int]:
     """The ports this test process hands out: its own block of those between Ray's worker

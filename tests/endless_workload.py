@@ -3,7 +3,7 @@
 Its model and search space are the digits MLP's, so the service accepts, asks and fuses its
 trials. Its model sleeps for ever in its first training step: the worker still answers
 heartbeats (a sleep holds no lock), so only the epoch deadline
-(``FUSETUNE_EPOCH_TIMEOUT_S``) frees it. tests/test_faults.py checks that its trials fail
+(``FUSETUNE_EPOCH_TIMEOUT_S``) frees it. tests/test_faults_epoch.py checks that its trials fail
 naming that setting and that the worker trains the next study.
 """
 

@@ -26,10 +26,28 @@ import httpx
 import optuna
 import sqlalchemy as sa
 
-from tests.conftest import free_port
+from tests.conftest import free_port, running_service
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The longest a fault test waits for an event: a guard against hanging, not a guess at how long
+#: anything takes (a loaded 2-core box trained the digits MLP at seconds an epoch).
+GUARD_S = 900.0
 RESULTS = Path(os.environ.get("FUSETUNE_RELIABILITY_DIR", ROOT / "build" / "reliability"))
+
+
+# -- the in-process faults' service --------------------------------------------------------------
+@contextmanager
+def faults_service(ray_cluster: str, root: Path, **settings: Any) -> Iterator[tuple[Any, str, Path]]:
+    """A live service on SQLite under ``root`` with one CPU worker (arrays of up to four), that
+    checkpoints every epoch, pings its busy worker every 0.5 s and replaces one silent for 5 s,
+    and resolves workloads by import path; ``settings`` change it. Yields (client, database
+    URL, artifact folder)."""
+    url = f"sqlite:///{root / 'fusetune.db'}"
+    with running_service(
+        ray_cluster, url, cpu_workers=1, max_array_size=4, artifact_dir=root / "artifacts", checkpoint_interval_s=0,
+        heartbeat_interval_s=0.5, heartbeat_timeout_s=5, allow_workload_imports=True, **settings,
+    ) as client:
+        yield client, url, root / "artifacts"
 
 
 # -- what a fault cost ---------------------------------------------------------------------------
@@ -91,7 +109,7 @@ def record(fault: str, **row: Any) -> None:
 
 
 def wait_until(
-    done: Callable[[], Any], what: str, timeout: float = 180.0, poll: float = 0.1, explain: Callable[[], str] | None = None
+    done: Callable[[], Any], what: str, timeout: float = GUARD_S, poll: float = 0.1, explain: Callable[[], str] | None = None
 ) -> Any:
     """Poll ``done`` until it returns something true; that is returned. On a timeout the failure
     ends with what ``explain`` says (a service's log, say)."""

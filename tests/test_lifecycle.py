@@ -35,7 +35,7 @@ D = optuna.distributions
 #: One shape (lr is per member): a study's trials fuse into as few arrays as the cap allows.
 ONE_SHAPE = {"lr": D.distribution_to_json(D.FloatDistribution(0.05, 0.3))}
 LONG = 400  # epochs of a sweep that must still train when an action comes
-TIMEOUT = 300.0  # a guard against hanging, not a guess at how long anything takes
+TIMEOUT = 900.0  # a guard against hanging, not a guess at how long anything takes (a loaded box: seconds an epoch)
 
 
 @dataclasses.dataclass
