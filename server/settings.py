@@ -110,7 +110,9 @@ class Settings(BaseSettings):
         description="How long an array of a study with a pruner (or a client that decides pruning) waits "
         "at an epoch boundary for the decision. Past it the array goes on as if told to continue, and a "
         "decision that comes later applies at a later boundary: a control plane cut off from its "
-        "database, or a client that never answers, never fails a trial or holds a device.",
+        "database, or a client that never answers, never fails a trial or holds a device. Also the "
+        "longest an array that ended waits for its last reports to be recorded before it removes the "
+        "checkpoints of the members that ended in them (past it they stay).",
     )
     loop_call_timeout_s: float = Field(
         60.0,

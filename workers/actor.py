@@ -106,6 +106,18 @@ class ArrayWorker:
         with self._lock:
             return self._set_up
 
+    def acknowledged(self, array_id: int, owed: int, timeout_s: float) -> int:
+        """How many of the ``owed`` reports of array ``array_id`` the control plane has
+        acknowledged, waiting up to ``timeout_s`` for the rest (the training loop asks once
+        its last epoch is reported). An array not run through :meth:`run` has no control
+        plane to answer: all of them."""
+        with self._lock:
+            replies = self._replies.get(array_id)
+        if replies is None:
+            return owed
+        reply, _ = _await(replies, owed, timeout_s)
+        return reply.acked
+
     def built(self, array_id: int) -> None:
         """The training loop's word that array ``array_id`` is set up: its first epoch starts."""
         with self._lock:

@@ -10,7 +10,9 @@ the control plane keeps it in ``ft_trials.checkpoint_epoch``. When its worker di
 whole service restarts, the coordinator re-queues the trials that have one, and whichever
 array they join next, on whichever node, resumes them at that epoch boundary instead of from
 scratch: at most the epochs since the last checkpoint are trained again. A member that ends
-(complete, pruned, failed) has its checkpoint removed.
+(complete, pruned, failed) has its checkpoints removed, once the control plane has recorded
+its end (``workers.training``: a worker whose scheduler died removes nothing a standby may
+resume from).
 
 A checkpoint is durable once reported: the store's write returns only when the bytes survive
 a crash (``workers.store``: fsync and rename on a local disk, one upload on an object store),

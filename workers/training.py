@@ -10,7 +10,7 @@ import time
 import traceback
 from collections import defaultdict, deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -268,13 +268,23 @@ def _sync(device: torch.device) -> None:
 
 class Inbox(Protocol):
     """Where newcomers for a running array wait for its next epoch boundary, and members the
-    scheduler preempts are named; told when the array is set up and its first epoch starts."""
+    scheduler preempts are named; told when the array is set up and its first epoch starts,
+    and asked, once its last epoch is reported, for the acknowledgements still owed to it."""
 
     def take(self, array_id: int, epochs_done: int = 0) -> list[MemberSpec]: ...
 
     def released(self, array_id: int) -> set[int]: ...
 
     def built(self, array_id: int) -> None: ...
+
+    def acknowledged(self, array_id: int, owed: int, timeout_s: float) -> int: ...
+
+
+class _Sent(NamedTuple):
+    """A report the control plane has not acknowledged yet: what goes once it has."""
+
+    checkpoints: list[tuple[str, int]]  # (folder, epochs done) of the checkpoints it named: older ones can go
+    ended: list[str]  # the folders of the members that completed or failed in it: all their checkpoints can go
 
 
 #: What ``train_array`` yields, is sent back, and returns (see its docstring).
@@ -367,7 +377,7 @@ class ArrayRun:
         self.joined: list[Joined] = []  # members that started since the last report
         self.writer = CheckpointWriter(get_store(spec.artifact_dir) if spec.artifact_dir else None)
         self.last_saved: dict[int, tuple[int, float]] = {}  # trial id -> (epochs done, train seconds) at its last checkpoint
-        self.sent: deque[list[tuple[str, int]]] = deque()  # per report not yet acknowledged: the checkpoints it named
+        self.sent: deque[_Sent] = deque()  # the reports not acknowledged yet, oldest first
         self.member_steps, self.steps, self.train_seconds = 0, 0, 0.0
         self.built = 0.0  # the build's seconds, in the first epoch's report
         self.unproven: set[bool] = set()  # training flags the fused model has not run in yet
@@ -580,7 +590,9 @@ class ArrayRun:
             timings=dict(self.epoch_s),
             warnings=self._new_warnings(),
         )
-        self.sent.append([(_folder(spec, m), done) for m in members if (done := durable.get(m.trial_id)) is not None])
+        named = [(_folder(spec, m), done) for m in members if (done := durable.get(m.trial_id)) is not None]
+        ended = [_folder(spec, m) for b, m in enumerate(members) if self.ended.get(b) in ("COMPLETE", "FAIL")] if spec.artifact_dir else []
+        self.sent.append(_Sent(named, ended))
         return report
 
     def _new_warnings(self) -> tuple[str, ...]:
@@ -603,9 +615,7 @@ class ArrayRun:
     def boundary(self, reply: EpochReply) -> None:
         """After the control plane's reply: its acknowledgements and prunes, the members'
         checkpoints, and the array's membership for the next epoch."""
-        for _ in range(min(reply.acked, len(self.sent))):  # recorded: the older checkpoints can go
-            for folder, done in self.sent.popleft():
-                self.writer.confirm(folder, done)
+        self._acknowledged(reply.acked)
         self.joined = []
         for b, member in enumerate(self.members):
             if b not in self.ended and member.trial_id in reply.prune:
@@ -618,17 +628,36 @@ class ArrayRun:
         for phase, seconds in self.epoch_s.items():
             self.timings[phase] += seconds
 
+    def _acknowledged(self, acked: int) -> None:
+        """The control plane recorded the ``acked`` oldest reports not acknowledged yet: the
+        checkpoints older than those they named go, and every checkpoint of the members that
+        ended in them.
+
+        Not before: a worker whose scheduler died (killed, cut off) trains on until Ray
+        stops it, and a standby that took over resumes its members from the checkpoints the
+        dead scheduler recorded. Were a member's checkpoints removed when the worker saw it
+        complete, that member would restart from scratch there.
+        """
+        for _ in range(min(acked, len(self.sent))):
+            sent = self.sent.popleft()
+            for folder, done in sent.checkpoints:
+                self.writer.confirm(folder, done)
+            for folder in sent.ended:
+                self.writer.remove(folder)
+
     def _checkpoint(self) -> None:
         """Checkpoints in the background: the next epoch does not wait for the disk. A member
         is saved once checkpoint_frequency epochs and checkpoint_interval_s seconds of
-        training have passed since its last checkpoint; the checkpoints of members that
-        ended (not released) go."""
+        training have passed since its last checkpoint; the checkpoints of members the
+        control plane pruned go (those that completed or failed go once the report that
+        says so is acknowledged: :meth:`_acknowledged`)."""
         clock = time.perf_counter()
         spec = self.spec
         if spec.artifact_dir is not None:
             for b, member in enumerate(self.members):
                 if self.ended.get(b, "RELEASED") != "RELEASED":
-                    self.writer.remove(_folder(spec, member))
+                    if self.ended[b] == "PRUNED":  # the control plane's own decision: recorded
+                        self.writer.remove(_folder(spec, member))
                     self.last_saved.pop(member.trial_id, None)
                     continue
                 epochs_at, seconds_at = self.last_saved.setdefault(
@@ -674,7 +703,13 @@ class ArrayRun:
 
     # -- the end -----------------------------------------------------------------------------------
     def finish(self) -> None:
-        """Every member has ended: the checkpoints are written, the array's speed measured."""
+        """Every member has ended: the checkpoints are written (those of the members that
+        ended removed once their reports are acknowledged), the array's speed measured."""
+        if self.sent and any(sent.ended for sent in self.sent):
+            owed = len(self.sent)
+            # Without a control plane (the library's own use) nothing acknowledges: all is recorded.
+            acked = self.inbox.acknowledged(self.spec.array_id, owed, self.spec.reply_timeout_s) if self.inbox else owed
+            self._acknowledged(acked)
         self.writer.flush()
         if self.train_seconds > 0:
             self.outcome.models_steps_per_s = self.member_steps / self.train_seconds

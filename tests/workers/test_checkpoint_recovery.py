@@ -5,6 +5,7 @@ worker's real training loop (the other members of its array resume where they we
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections.abc import Iterator
@@ -192,3 +193,31 @@ def test_a_member_whose_checkpoint_cannot_be_used_restarts_older_alone(tmp_path:
     # Each member reports every epoch from where it really resumed, once.
     assert steps == {100: [1, 2, 3], 101: [0, 1, 2, 3], 102: [0, 1, 2, 3], 103: [2, 3]}
     assert all(saved_epochs(store, f) == [] for f in folders)  # every member completed: nothing to resume
+
+
+def _members_checkpointed(tmp_path: Path, array: ArraySpec) -> list[int]:
+    store = ArtifactStore(tmp_path)
+    return [m.number for m in array.members if saved_epochs(store, checkpoint_dir(array.study_name, m.number))]
+
+
+def test_a_completed_members_checkpoints_stay_until_the_control_plane_has_recorded_its_end(tmp_path: Path) -> None:
+    """A worker whose scheduler died trains on until Ray stops it, and may see its members
+    complete: their checkpoints must stay for the standby that resumes them from what the
+    dead scheduler recorded. So the worker's own run (``ArrayWorker.run``, driven here as the
+    control plane drives it, without Ray) removes them only once the report saying they
+    ended is acknowledged; a control plane that never answers leaves them all."""
+    first = dataclasses.replace(spec(tmp_path, 7, resume_epoch=0, epochs=3), reply_timeout_s=0.2)
+    silent = ArrayWorker("silent", "cpu", num_threads=torch.get_num_threads())
+    items = list(silent.run(first))  # no report is ever acknowledged: its scheduler is gone
+    assert isinstance(items[-1], ArrayOutcome) and sorted(items[-1].completed) == [m.trial_id for m in first.members]
+    assert _members_checkpointed(tmp_path, first) == [0, 1, 2, 3]
+
+    answered = dataclasses.replace(first, array_id=8, study_name="answered")
+    worker = ArrayWorker("answered", "cpu", num_threads=torch.get_num_threads())
+    outcome = None
+    for item in worker.run(answered):  # each report recorded and acknowledged, as the loop does
+        if isinstance(item, EpochReport):
+            worker.reply(answered.array_id, EpochReply())
+        outcome = item
+    assert isinstance(outcome, ArrayOutcome) and sorted(outcome.completed) == [m.trial_id for m in answered.members]
+    assert _members_checkpointed(tmp_path, answered) == []
