@@ -115,8 +115,16 @@ class ArrayWorker:
             replies = self._replies.get(array_id)
         if replies is None:
             return owed
-        reply, _ = _await(replies, owed, timeout_s)
-        return reply.acked
+        # One reply may acknowledge several reports (the control plane batches them): count
+        # what the replies acknowledge, not the replies.
+        deadline = time.monotonic() + timeout_s
+        acked = 0
+        while acked < owed:
+            try:
+                acked += replies.get(timeout=max(0.0, deadline - time.monotonic())).acked
+            except queue.Empty:
+                break
+        return min(acked, owed)
 
     def built(self, array_id: int) -> None:
         """The training loop's word that array ``array_id`` is set up: its first epoch starts."""

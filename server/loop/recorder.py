@@ -169,10 +169,13 @@ class Recorder:
             return freed
         # The reply decides pruning (studies with a pruner wait for it) and acknowledges that
         # the report, and the checkpoints it named, are recorded. A worker that does not wait
-        # needs it only to drop the checkpoints a new one replaces: other reports are
-        # acknowledged together by the next reply sent (a remote call saved per array-epoch).
+        # needs it only to drop the checkpoints a new one replaces, and those of members that
+        # ended in the report (it removes them once their end is recorded, and an array whose
+        # last members ended waits for it): other reports are acknowledged together by the
+        # next reply sent (a remote call saved per array-epoch).
         waits = worker.spec is None or worker.spec.prunes
-        if live is not None and not (waits or reply.prune or report.released or live.new_checkpoint):
+        ended = any(m.state for m in report.members)
+        if live is not None and not (waits or ended or reply.prune or report.released or live.new_checkpoint):
             live.unacked += 1
             return freed
         if live is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,12 +213,29 @@ def test_a_completed_members_checkpoints_stay_until_the_control_plane_has_record
     assert isinstance(items[-1], ArrayOutcome) and sorted(items[-1].completed) == [m.trial_id for m in first.members]
     assert _members_checkpointed(tmp_path, first) == [0, 1, 2, 3]
 
-    answered = dataclasses.replace(first, array_id=8, study_name="answered")
+    # Answered, the array ends as soon as its last report is acknowledged: never waiting out
+    # the reply timeout (an hour here; the thread's join is a guard against hanging). A study
+    # without a pruner, whose reports the scheduling loop acknowledges in batches.
+    answered = dataclasses.replace(first, array_id=8, study_name="answered", reply_timeout_s=3600.0, prunes=False)
     worker = ArrayWorker("answered", "cpu", num_threads=torch.get_num_threads())
-    outcome = None
-    for item in worker.run(answered):  # each report recorded and acknowledged, as the loop does
-        if isinstance(item, EpochReport):
-            worker.reply(answered.array_id, EpochReply())
-        outcome = item
+    items: list[EpochReport | ArrayOutcome] = []
+
+    def drive() -> None:
+        unacked = 0
+        for item in worker.run(answered):
+            # Each report recorded; as the scheduling loop does, one reply acknowledges those
+            # not acknowledged yet, sent when members end (or name a new checkpoint, or are pruned).
+            if isinstance(item, EpochReport):
+                unacked += 1
+                if any(m.state for m in item.members):
+                    worker.reply(answered.array_id, EpochReply(acked=unacked))
+                    unacked = 0
+            items.append(item)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    driver.join(timeout=300)
+    assert not driver.is_alive(), "the array waited for acknowledgements it had been given"
+    outcome = items[-1]
     assert isinstance(outcome, ArrayOutcome) and sorted(outcome.completed) == [m.trial_id for m in answered.members]
     assert _members_checkpointed(tmp_path, answered) == []

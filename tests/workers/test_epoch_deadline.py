@@ -52,24 +52,25 @@ def train(pool: WorkerPool, spec: ArraySpec) -> tuple[list[EpochReport], ArrayOu
     raise AssertionError(f"the array did not end; it reported {len(reports)} epochs")
 
 
-def test_an_array_whose_setup_outlasts_the_epoch_deadline_trains_to_the_end(ray_cluster: str, tmp_path: Path) -> None:
+def train_slow_setup(tmp_path: Path, setup_grace_s: float) -> tuple[list[EpochReport], ArrayOutcome | BaseException]:
+    """The slow-setup array on a pool of one worker whose epochs may run ``EPOCH_TIMEOUT_S``
+    and whose arrays' setup ``setup_grace_s`` more."""
     pool = WorkerPool(
-        cpu_workers=1, name_prefix="setup", heartbeat_interval_s=0.1, epoch_timeout_s=EPOCH_TIMEOUT_S, setup_grace_s=600
+        cpu_workers=1, name_prefix=f"setup-{setup_grace_s:g}", heartbeat_interval_s=0.1, epoch_timeout_s=EPOCH_TIMEOUT_S,
+        setup_grace_s=setup_grace_s,
     )
     try:
-        reports, outcome = train(pool, slow_setup_array(tmp_path))
+        return train(pool, slow_setup_array(tmp_path))
     finally:
         pool.shutdown()
+
+
+def test_an_array_whose_setup_outlasts_the_epoch_deadline_trains_to_the_end(ray_cluster: str, tmp_path: Path) -> None:
+    reports, outcome = train_slow_setup(tmp_path, setup_grace_s=600)
     assert isinstance(outcome, ArrayOutcome), outcome
     assert outcome.error is None and sorted(outcome.completed) == [1, 2] and len(reports) == EPOCHS
 
 
 def test_a_setup_past_its_grace_overruns_and_the_array_fails(ray_cluster: str, tmp_path: Path) -> None:
-    pool = WorkerPool(
-        cpu_workers=1, name_prefix="nograce", heartbeat_interval_s=0.1, epoch_timeout_s=EPOCH_TIMEOUT_S, setup_grace_s=0.1
-    )
-    try:
-        reports, outcome = train(pool, slow_setup_array(tmp_path))
-    finally:
-        pool.shutdown()
+    reports, outcome = train_slow_setup(tmp_path, setup_grace_s=0.1)
     assert isinstance(outcome, EpochOverran) and reports == [], outcome
